@@ -1,0 +1,48 @@
+# Thin verbs; each calls the dsflash CLI (or pytest) from $(VENV). See README.md.
+# PYTHONSAFEPATH=1 keeps the repository root off sys.path, so `build` is PyPA's, ours is dsflash.build.
+export PYTHONSAFEPATH := 1
+
+VENV ?= .venv
+DSFLASH := $(VENV)/bin/dsflash
+# Optional variables; a flag is passed only when its variable is set. ARGS= appends anything else.
+HF ?=
+OUT ?=
+LAYOUT ?=
+CKPT ?=
+TP ?=
+ARCH ?=
+ENGINE ?=
+ARGS ?=
+
+.DEFAULT_GOAL := test
+.PHONY: demo test test-gpu convert build serve generate bench-kernels clean
+
+$(VENV)/.stamp: requirements-cpu.txt pyproject.toml
+	mkdir -p .pybuild && python3 -m venv $(VENV) && $(VENV)/bin/pip install -r requirements-cpu.txt && $(VENV)/bin/pip install --no-deps -e . && touch $@
+
+demo: $(VENV)/.stamp
+	$(DSFLASH) demo $(ARGS)
+
+test: $(VENV)/.stamp
+	$(VENV)/bin/pytest -q tests -m "not gpu" $(ARGS)
+
+test-gpu: $(VENV)/.stamp
+	$(VENV)/bin/pytest -q tests -m gpu $(ARGS)
+
+convert: $(VENV)/.stamp
+	$(DSFLASH) convert $(if $(HF),--hf $(HF)) $(if $(OUT),--out $(OUT)) $(if $(LAYOUT),--layout $(LAYOUT)) $(ARGS)
+
+build: $(VENV)/.stamp
+	$(DSFLASH) build $(if $(CKPT),--ckpt $(CKPT)) $(if $(TP),--tp $(TP)) $(if $(ARCH),--arch $(ARCH)) $(if $(OUT),--out $(OUT)) $(ARGS)
+
+serve: $(VENV)/.stamp
+	$(DSFLASH) serve $(if $(ENGINE),--engine $(ENGINE)) $(ARGS)
+
+generate: $(VENV)/.stamp
+	$(DSFLASH) generate $(if $(ENGINE),--engine $(ENGINE)) $(ARGS)
+
+bench-kernels: $(VENV)/.stamp
+	$(VENV)/bin/python -m dsflash.plugins.bench $(ARGS)
+
+clean:
+	rm -rf .pybuild .pytest_cache && find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,283 @@
+"""Building blocks shared by the V4 and V4.1 reference models: numerics, parallel linears, RoPE, mHC, MoE, attention.
+
+Everything here is plain PyTorch and defines the numerics the Triton plugins must reproduce. Parallel layers take a
+`Mapping` (local shapes) and a `Comm` (visible reductions, fp32), never globals.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.model_def.mapping import Mapping, split_range
+from dsflash.model_def.quant import fake_quant_fp8
+
+NUMERICS_MODES = ("hf", "deploy")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """`hf`: what transformers computes. `deploy`: + FP8 1×act_block activation quantization before FP8/FP4 linears."""
+    mode: str = "hf"
+    act_block: int = 32
+
+    def __post_init__(self) -> None:
+        if self.mode not in NUMERICS_MODES:
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {self.mode!r}")
+
+    @property
+    def deploy(self) -> bool:
+        return self.mode == "deploy"
+
+    def act_in(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
+        if not (self.deploy and quantized):
+            return x
+        # The reference rounds the activation to BF16 before act_quant; it is BF16 everywhere in deploy.
+        return fake_quant_fp8(x.to(torch.bfloat16).to(x.dtype), self.act_block)
+
+
+class Comm(Protocol):
+    tp_size: int
+    tp_rank: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalComm:
+    """One rank: reductions are identities."""
+    tp_size = 1
+    tp_rank = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class DistComm:
+    """torch.distributed TP group (gloo on CPU, NCCL on GPU); sums in fp32 as the numerics policy requires."""
+
+    def __init__(self, mapping: Mapping, group=None):
+        self.tp_size, self.tp_rank, self.group = mapping.tp_size, mapping.tp_rank, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+        y = x.float().contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+
+def tp_of(mapping: Mapping | None) -> tuple[int, int]:
+    return (1, 0) if mapping is None else (mapping.tp_size, mapping.tp_rank)
+
+
+def local_slice(total: int, mapping: Mapping | None) -> tuple[int, int]:
+    """[start, stop) of this TP rank's share of `total` (must divide)."""
+    tp, rank = tp_of(mapping)
+    return split_range(total, tp, rank)
+
+
+# -- norms -------------------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32; returns fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        # kept in fp32 although stored BF16: the reference upcasts norm weights at load
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.eps, self.weight).to(x.dtype)
+
+
+# -- linears -----------------------------------------------------------------------------------------------------
+class Linear(nn.Module):
+    """y = x·Wᵀ (+ b). `weight` holds dequantized values; `quant` names the on-disk format (None/'fp8'/'fp4')."""
+
+    def __init__(self, in_features: int, out_features: int, numerics: Numerics, quant: str | None = None,
+                 bias: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        assert quant in (None, "fp8", "fp4"), quant
+        self.in_features, self.out_features, self.numerics, self.quant = in_features, out_features, numerics, quant
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.float32)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.numerics.act_in(x, self.quant is not None)
+        y = F.linear(x.to(self.weight.dtype), self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over TP ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, numerics: Numerics, mapping: Mapping | None = None,
+                 quant: str | None = None, dtype: torch.dtype = torch.float32):
+        start, stop = local_slice(out_features, mapping)
+        super().__init__(in_features, stop - start, numerics, quant, dtype=dtype)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over TP ranks; partial outputs summed in fp32 (or left to the caller)."""
+
+    def __init__(self, in_features: int, out_features: int, numerics: Numerics, mapping: Mapping | None = None,
+                 comm: Comm | None = None, quant: str | None = None, reduce_output: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        start, stop = local_slice(in_features, mapping)
+        super().__init__(stop - start, out_features, numerics, quant, dtype=dtype)
+        self.comm, self.reduce_output = comm or LocalComm(), reduce_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.comm.all_reduce(y) if self.reduce_output else y
+
+
+# -- RoPE / YaRN -------------------------------------------------------------------------------------------------
+def rope_inv_freq(rope_dim: int, base: float, yarn: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies of `rope_dim/2` interleaved pairs; YaRN interpolation without mscale when `yarn` is set."""
+    inv = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+    if not yarn:
+        return inv.float()
+    factor, orig = float(yarn["factor"]), float(yarn["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(yarn["beta_fast"]), float(yarn["beta_slow"])
+
+    def corr_dim(n_rot: float) -> float:
+        return rope_dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    smooth = 1 - ramp  # 1 = keep the original frequency (high-frequency pairs), 0 = interpolate by `factor`
+    return (inv / factor * (1 - smooth) + inv * smooth).float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `2*len(inv_freq)` channels of x as interleaved pairs at `positions`.
+
+    x: [..., S, d] or [..., S, H, d]; positions: [S] or [B, S] (broadcast against x's leading dims).
+    """
+    rd = inv_freq.numel() * 2
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)  # [.., S, rd/2]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    if inverse:
+        sin = -sin
+    if x.dim() == positions.dim() + 2:  # heads axis between S and d
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xf = x.float()
+    r = xf[..., -rd:].reshape(*x.shape[:-1], rd // 2, 2)
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(*x.shape[:-1], rd)
+    return torch.cat([xf[..., :-rd], rot], -1).to(x.dtype)
+
+
+# -- mHC -----------------------------------------------------------------------------------------------------------
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """softmax over the last axis + eps, column-normalise, then (iters-1)× row- then column-normalise. fp32."""
+    c = logits.float().softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_mix(xflat: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC coefficients from the flattened streams. xflat: [..., n*D] -> pre [...,n], post [...,n], comb [...,n,n]."""
+    xf = xflat.float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    m = (xf @ fn.float().t()) * r  # [..., (2+n)*n]
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x = Σ_j pre_j · X_j. X: [..., n, D], pre: [..., n] -> [..., D] in X.dtype."""
+    return (pre.float().unsqueeze(-1) * X.float()).sum(-2).to(X.dtype)
+
+
+def hc_expand(X: torch.Tensor, fx: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k · f(x) + Σ_j comb[j,k] · X_j. X: [..., n, D], fx: [..., D]."""
+    mixed = torch.einsum("...jk,...jd->...kd", comb.float(), X.float())
+    return (post.float().unsqueeze(-1) * fx.float().unsqueeze(-2) + mixed).to(X.dtype)
+
+
+# -- MoE pieces ----------------------------------------------------------------------------------------------------
+def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(F.softplus(x.float()))
+
+
+def clipped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) · clamp(u, ±limit) in fp32."""
+    g, u = g.float(), u.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return F.silu(g) * u
+
+
+class Expert(nn.Module):
+    """Clipped SwiGLU FFN; the routing weight multiplies h before w2 (as the reference does)."""
+
+    def __init__(self, dim: int, inter: int, numerics: Numerics, quant: str | None, swiglu_limit: float,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.w1 = Linear(dim, inter, numerics, quant, dtype=dtype)
+        self.w2 = Linear(inter, dim, numerics, quant, dtype=dtype)
+        self.w3 = Linear(dim, inter, numerics, quant, dtype=dtype)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
+        h = clipped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        if route_weight is not None:
+            h = h * route_weight.float().unsqueeze(-1)
+        if self.w2.numerics.deploy:
+            h = h.to(torch.bfloat16)  # the reference casts h to BF16 before w2
+        return self.w2(h.to(x.dtype))
+
+
+# -- attention core ------------------------------------------------------------------------------------------------
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Softmax attention with a per-head sink logit in the denominator only; K = V = kv.
+
+    q: [B,S,H,d]; kv: [B,T,d]; allowed: [B,S,T] bool; sink: [H] -> [B,S,H,d] (fp32 math, q.dtype out).
+    """
+    logits = torch.einsum("bshd,btd->bsht", q.float(), kv.float()) * scale
+    logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    sink_l = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    full = torch.cat([logits, sink_l], -1)
+    p = full.softmax(-1)[..., :-1]
+    return torch.einsum("bsht,btd->bshd", p, kv.float()).to(q.dtype)
+
+
+def gather_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Sparse form of `sink_attention`: each query attends to rows `idx` of kv (−1 = empty slot).
+
+    q: [B,S,H,d]; kv: [B,T,d]; idx: [B,S,K] int (−1 padded) -> [B,S,H,d].
+    """
+    B, S, K = idx.shape
+    valid = idx >= 0
+    rows = torch.gather(kv.float(), 1, idx.clamp(min=0).reshape(B, S * K, 1).expand(-1, -1, kv.shape[-1]))
+    rows = rows.reshape(B, S, K, -1)
+    logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    sink_l = sink.float().view(1, 1, -1, 1).expand(B, S, -1, 1)
+    p = torch.cat([logits, sink_l], -1).softmax(-1)[..., :-1]
+    return torch.einsum("bshk,bskd->bshd", p, rows).to(q.dtype)
