@@ -1,0 +1,76 @@
+"""`dsflash build`: canonical/HF checkpoint + topology + limits + arch -> engine dir (or a per-rank plan with --dry-run)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dsflash.build.plan import ARCHES, BuildConfig, expert_widths, plan_ranks
+from dsflash.model_def.mapping import Mapping
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsflash build", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="`dsflash convert` output or HF checkpoint dir")
+    src.add_argument("--preset", help="family/name (e.g. v41/full): plan only, with --dry-run")
+    p.add_argument("--out", help="engine directory to write")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= world size)")
+    p.add_argument("--moe-ep", type=int, default=None, help="MoE expert-parallel size (default 1)")
+    p.add_argument("--moe-tp", type=int, default=None, help="MoE tensor-parallel size (default tp / moe_ep)")
+    p.add_argument("--arch", choices=ARCHES, default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    p.add_argument("--dry-run", action="store_true", help="print the per-rank plan and write nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    return p
+
+
+def dry_run(args, mapping: Mapping, arch: str, as_json: bool) -> dict:
+    from dsflash.model_def.names import tensor_table
+    plans = plan_ranks(args, tensor_table(args), mapping, arch)
+    report = {"family": args.family, "arch": arch, "mapping": mapping.to_dict(), **expert_widths(args, mapping, arch),
+              "ranks": [{"rank": p.rank, "tensors": p.tensors, "bytes": p.bytes} for p in plans]}
+    if as_json:
+        print(json.dumps(report))
+    else:
+        w = expert_widths(args, mapping, arch)
+        print(f"{args.family} tp={mapping.tp_size} moe_tp={mapping.moe_tp_size} moe_ep={mapping.moe_ep_size} "
+              f"arch={arch}: expert intermediate {w['expert_inter_local']} per rank, padded to {w['expert_inter_padded']}")
+        print(f"{'rank':>4} {'tensors':>8} {'GiB':>9}")
+        for p in plans:
+            print(f"{p.rank:>4} {p.tensors:>8} {p.bytes / 2**30:>9.2f}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.moe_ep, moe_tp_size=a.moe_tp)
+        cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype)
+        if a.preset:
+            if not a.dry_run:
+                raise ValueError("--preset builds only a plan: add --dry-run (engines need --ckpt)")
+            from dsflash.model_def.config import get_preset
+            family, _, name = a.preset.partition("/")
+            dry_run(get_preset(family, name or "full"), mapping, a.arch, a.json)
+            return 0
+        if a.dry_run:
+            from dsflash.build.source import open_source
+            dry_run(open_source(a.ckpt).args, mapping, a.arch, a.json)
+            return 0
+        if not a.out:
+            raise ValueError("--out is required (engine directory to write)")
+        from dsflash.build.engine import write_engine
+        out = write_engine(a.ckpt, a.out, mapping, a.arch, cfg)
+    except (ValueError, OSError) as e:
+        print(f"dsflash build: {e}", file=sys.stderr)
+        return 2
+    print(f"engine written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Engine directories: writing (`dsflash build`) and reading (serve, generate).
+
+An engine dir holds `engine.json` (model args, Mapping, build config, arch, layout, plugin selection, per-rank file
+list), `rank{R}.safetensors` (this rank's tensors under checkpoint names, cut per the name table's shard rules and
+padded after sharding) and `tuned.json`. Engines are written to a temp dir and renamed when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from dsflash.build.plan import ARCH_LAYOUT, BuildConfig, expert_widths, plan_ranks
+from dsflash.build.shard import cut_stored
+from dsflash.build.source import open_source
+from dsflash.model_def import build_model
+from dsflash.model_def.config import args_from_hf_dict
+from dsflash.model_def.mapping import Mapping
+from dsflash.model_def.names import TensorEntry, tensor_table
+from dsflash.model_def.quant import dequant_fp8_block, dequant_fp8_rows32, dequant_mxfp4
+
+ENGINE_FILE = "engine.json"
+ENGINE_VERSION = 1
+
+
+class EngineError(ValueError):
+    pass
+
+
+def current_arch() -> str:
+    """'cpu' without a GPU, else 'sm<major><minor>' of device 0."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm{major}{minor}"
+
+
+def check_layout_arch(layout: str, arch: str) -> None:
+    if arch not in ARCH_LAYOUT:
+        raise EngineError(f"--arch must be one of {sorted(ARCH_LAYOUT)}, got {arch!r}")
+    if ARCH_LAYOUT[arch] != layout:
+        raise EngineError(f"a '{layout}' checkpoint cannot make an {arch} engine: {arch} needs layout "
+                          f"'{ARCH_LAYOUT[arch]}' (dsflash convert --layout {ARCH_LAYOUT[arch]})")
+
+
+def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: str, cfg: BuildConfig,
+                 progress: bool = True) -> Path:
+    src = open_source(ckpt_dir)
+    check_layout_arch(src.layout, arch)
+    args = src.args
+    table = tensor_table(args)
+    plans = plan_ranks(args, table, mapping, arch)
+    out = Path(out)
+    if out.exists():
+        raise EngineError(f"{out}: output directory already exists")
+    tmp = out.with_name(out.name + ".tmp-build")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        ranks = []
+        for plan in plans:
+            tensors: dict[str, torch.Tensor] = {}
+            for e in tqdm(table, desc=f"rank {plan.rank}", unit="tensor", disable=not progress):
+                cut = plan.cuts.get(e.name)
+                if cut is not None:
+                    tensors.update(cut_stored(e, src.stored(e), cut, args.weight_block))
+            fname = f"rank{plan.rank}.safetensors"
+            save_file(tensors, str(tmp / fname), metadata={"rank": str(plan.rank)})
+            ranks.append({"file": fname, "tensors": len(tensors), "bytes": plan.bytes,
+                          "sha256": _sha256(tmp / fname)})
+        engine = {
+            "version": ENGINE_VERSION,
+            "model": args.to_hf_dict(),
+            "mapping": mapping.for_rank(0).to_dict(),
+            "build_config": cfg.__dict__,
+            "arch": arch,
+            "layout": src.layout,
+            "expert_dtype": src.expert_dtype,
+            **expert_widths(args, mapping, arch),
+            "plugins": default_plugins(arch),
+            "source": str(Path(ckpt_dir).resolve()),
+            "ranks": ranks,
+        }
+        from dsflash.build.tune import write_tuned
+        write_tuned(tmp, engine, arch)
+        (tmp / ENGINE_FILE).write_text(json.dumps(engine, indent=2))
+        verify_engine(tmp)
+        src.copy_tokenizer(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def default_plugins(arch: str) -> dict[str, str]:
+    """Per-op implementation; CPU engines run the plain-PyTorch references."""
+    return {"linear": "reference", "moe": "reference", "attention": "reference", "mhc": "reference"}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Engine:
+    path: Path
+    meta: dict
+
+    @property
+    def args(self):
+        return args_from_hf_dict(self.meta["model"], str(self.path / ENGINE_FILE))
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta["mapping"]["world_size"])
+
+    def mapping(self, rank: int) -> Mapping:
+        return Mapping.from_dict(self.meta["mapping"]).for_rank(rank)
+
+    def rank_file(self, rank: int) -> Path:
+        return self.path / self.meta["ranks"][rank]["file"]
+
+
+def open_engine(path: str | Path, check_arch: bool = True) -> Engine:
+    path = Path(path)
+    f = path / ENGINE_FILE
+    if not f.is_file():
+        raise EngineError(f"{f}: not an engine directory (engine.json missing; run `dsflash build`)")
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{f}: not valid JSON ({e})") from None
+    if meta.get("version") != ENGINE_VERSION:
+        raise EngineError(f"{f}: engine format version {meta.get('version')!r}, this dsflash reads {ENGINE_VERSION}")
+    if check_arch and meta["arch"] != current_arch():
+        raise EngineError(f"{f}: engine was built for {meta['arch']}, but this machine is {current_arch()}; "
+                          f"rebuild it with `dsflash build --arch {current_arch()}`")
+    for r in meta["ranks"]:
+        if not (path / r["file"]).is_file():
+            raise EngineError(f"{path / r['file']}: rank file is missing")
+    return Engine(path, meta)
+
+
+def _local_entries(eng: Engine, rank: int) -> tuple[list[TensorEntry], dict]:
+    args = eng.args
+    table = {e.name: e for e in tensor_table(args)}
+    with safe_open(str(eng.rank_file(rank)), framework="pt") as f:
+        names = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+    entries = []
+    for name in names:
+        e = table.get(name)
+        if e is None:
+            if name.removesuffix(".scale") + ".weight" in table or name.endswith(".scale"):
+                continue
+            raise EngineError(f"{eng.rank_file(rank)}: unexpected tensor '{name}'")
+        shape = shapes[name]
+        logical = (shape[0], shape[1] * 2) if e.role == "mxfp4" else shape
+        entries.append(TensorEntry(name, logical, e.role, e.init, e.shard))
+    return entries, shapes
+
+
+def dequantize_local(e: TensorEntry, f, weight_block: int) -> torch.Tensor:
+    t = f.get_tensor(e.name)
+    if e.role == "i64":
+        return t
+    if e.role in ("bf16", "f32"):
+        return t.float()
+    s = f.get_tensor(e.scale_name)
+    if e.role == "fp8_block":
+        return dequant_fp8_block(t, s, weight_block)
+    if e.role == "mxfp4":
+        return dequant_mxfp4(t, s)
+    return dequant_fp8_rows32(t, s)
+
+
+def verify_engine(path: str | Path) -> None:
+    """Every rank file against the model built on the meta device: names, shapes, dtypes; nothing missing/extra."""
+    eng = open_engine(path, check_arch=False)
+    args = eng.args
+    padded = eng.meta["expert_inter_padded"]
+    local = eng.meta["expert_inter_local"]
+    for r in range(eng.world_size):
+        model = build_model(args, "deploy", mapping=eng.mapping(r), device="meta")
+        params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        entries, _ = _local_entries(eng, r)
+        seen = set()
+        for e in entries:
+            p = params.get(e.name)
+            where = f"{eng.rank_file(r)}: tensor '{e.name}'"
+            if p is None:
+                raise EngineError(f"{where} has no parameter in the rank-{r} model")
+            want = tuple(p.shape)
+            if ".experts." in e.name and padded != local:
+                want = tuple(padded if s == local else s for s in want)
+            if tuple(e.shape) != want:
+                raise EngineError(f"{where} has logical shape {list(e.shape)}, rank-{r} model expects {list(want)}")
+            seen.add(e.name)
+        missing = [n for n, p in model.named_parameters() if n not in seen]
+        if missing:
+            raise EngineError(f"{eng.rank_file(r)}: missing tensors for the rank-{r} model, e.g. {missing[:3]}")
+
+
+def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = "cpu", dtype=torch.float32):
+    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors."""
+    eng = open_engine(path)
+    if eng.meta["expert_inter_padded"] != eng.meta["expert_inter_local"]:
+        raise EngineError(f"{path}: padded expert layouts run only with the GPU plugins")
+    args = eng.args
+    model = build_model(args, "deploy", mapping=eng.mapping(rank), comm=comm, dtype=dtype, device=device)
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    entries, _ = _local_entries(eng, rank)
+    with safe_open(str(eng.rank_file(rank)), framework="pt") as f, torch.no_grad():
+        for e in entries:
+            params[e.name].copy_(dequantize_local(e, f, args.weight_block).to(params[e.name].dtype))
+    if hasattr(model, "load_tokenizer"):
+        model.load_tokenizer(Path(path) / "tokenizer.json")
+    return model.eval(), eng

@@ -1,0 +1,298 @@
+"""CSA2, the DeepSeek-V4.1 attention: shared-KV MQA over an own sliding window plus cross-layer shared compressed KV.
+
+Per layer (architecture.md §2.9): a low-rank query, one K=V latent (`wkv` + `kv_norm`, RoPE on its last `rope_dim`
+channels, FP8 fake-quant of the whole vector in blocks of 32) kept for the last `sliding_window` positions, a
+per-head sink and a grouped low-rank output. Layers with compress ratio r > 0 also attend to `index_topk` entries of
+the compressed cache of their KV source (`kv_source_layer_ids`): only a source owns a `Compressor` (r = 2: softmax-gate
+pooling of 2 tokens in fp32; r = 1: one entry per token) and the indexer keys (`wk` + `k_norm` of the pre-RoPE latent).
+Index sources score queries against those keys and publish a top-k (two-level at and after the candidate source);
+the layers up to the next index source reuse it. Semantics follow transformers' `deepseek_v41` (cached path).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
+                                      apply_rope, local_slice, rope_inv_freq, sink_attention, tp_of)
+from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
+
+WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
+COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
+INDEX_BLOCK = 32          # FP4 e2m1 with a pow2 (e8m0) scale per 32 channels, index keys and queries
+
+
+# -- selection primitives (pure functions) -------------------------------------------------------------------------
+def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tensor:
+    """kv, gate [B, G*r, d] -> [B, G, d]: per channel, softmax of the gate over each group's r tokens (fp32)."""
+    b, n, d = kv.shape
+    kv = kv.float().view(b, n // ratio, ratio, d)
+    w = gate.float().view(b, n // ratio, ratio, d).softmax(dim=2)
+    return (kv * w).sum(2)
+
+
+def visible_counts(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Compressed entries a query at `positions` may read: t < (pos + 1) // r (the group is complete)."""
+    return (positions.long() + 1) // ratio
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best scores per row, −1 for empty slots (score −inf, or fewer than k entries).
+
+    Ties go to the lower index (stable sort), so the set never depends on the row's length or layout.
+    scores [..., T] -> long [..., k].
+    """
+    t = scores.shape[-1]
+    kk = min(k, t)
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    idx = torch.where(vals[..., :kk] > float("-inf"), idx[..., :kk], torch.full_like(idx[..., :kk], -1))
+    if kk < k:
+        idx = F.pad(idx, (0, k - kk), value=-1)
+    return idx
+
+
+def indices_to_mask(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """−1-padded index lists [..., k] -> bool mask [..., n]."""
+    mask = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, torch.where(idx >= 0, idx, torch.full_like(idx, n)), True)
+    return mask[..., :n]
+
+
+def select_candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, topk_blocks: int,
+                            block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: keep the `topk_blocks` best blocks of `block_size` entries per query.
+
+    scores [B,S,T] (invisible entries already −inf); counts [B,S] visible entries. A block scores the max of its
+    entries; the block holding the newest visible entry (count − 1) is pinned. Returns a bool mask [B,S,T].
+    """
+    t = scores.shape[-1]
+    nb = -(-t // block_size)
+    blocks = F.pad(scores, (0, nb * block_size - t), value=float("-inf")).unflatten(-1, (nb, block_size)).amax(-1)
+    newest = torch.div(counts.long() - 1, block_size, rounding_mode="floor")    # −1 (no pin) when nothing visible
+    blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == newest.unsqueeze(-1), float("inf"))
+    keep = indices_to_mask(topk_indices(blocks, topk_blocks), nb)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :t]
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq(rope_dim: int, base: float, yarn_items: tuple | None) -> torch.Tensor:
+    return rope_inv_freq(rope_dim, base, dict(yarn_items) if yarn_items else None)
+
+
+def layer_inv_freq(args, layer: int, device: torch.device) -> torch.Tensor:
+    """RoPE table of `layer`: compressing layers (ratio 2 and 1) use compress_rope_theta + YaRN, others plain."""
+    with torch.device("cpu"):
+        if args.ratio(layer) > 0:
+            yarn = args.yarn
+            inv = _inv_freq(args.rope_dim, float(args.compress_rope_theta),
+                            tuple(sorted(yarn.items())) if yarn else None)
+        else:
+            inv = _inv_freq(args.rope_dim, float(args.rope_theta), None)
+    return inv.to(device)
+
+
+# -- per-request caches --------------------------------------------------------------------------------------------
+@dataclass
+class SourceCache:
+    """Growing state of one KV source: compressed entries, index keys, and (r > 1) the partial group in fp32."""
+    kv: torch.Tensor        # [B, T, head_dim]  RoPE'd, FP4 fake-quantized
+    index_k: torch.Tensor   # [B, T, index_head_dim]  RoPE'd, FP4 fake-quantized
+    buf_kv: torch.Tensor    # [B, m < r, head_dim] fp32 projections of the tokens of the open group
+    buf_gate: torch.Tensor  # [B, m < r, head_dim] fp32 gate logits of those tokens
+
+    @classmethod
+    def empty(cls, batch: int, head_dim: int, index_dim: int, dtype: torch.dtype, device=None) -> "SourceCache":
+        z = functools.partial(torch.zeros, batch, 0, device=device)
+        return cls(z(head_dim, dtype=dtype), z(index_dim, dtype=dtype), z(head_dim), z(head_dim))
+
+    @property
+    def count(self) -> int:
+        return self.kv.shape[1]
+
+
+# -- modules -------------------------------------------------------------------------------------------------------
+class Compressor(nn.Module):
+    """`attn.compressor` of a KV source: returns the pre-RoPE latents of the groups completed by this chunk."""
+
+    def __init__(self, args, ratio: int, numerics: Numerics, dtype: torch.dtype):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(args.hidden_size, args.head_dim, numerics, None, dtype=dtype)
+        self.wgate = Linear(args.hidden_size, args.head_dim, numerics, None, dtype=dtype) if ratio > 1 else None
+        self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: SourceCache) -> torch.Tensor:
+        """x [B,S,D] -> latents [B,G,head_dim]; keeps the tokens of an unfinished group in `cache`."""
+        if self.wgate is None:  # ratio 1: every token is its own entry, no pooling
+            return self.norm(self.wkv(x))
+        # pooling runs in fp32 (the reference upcasts the ratio-2 compressor)
+        kv = torch.cat([cache.buf_kv, F.linear(x.float(), self.wkv.weight.float())], 1)
+        gate = torch.cat([cache.buf_gate, F.linear(x.float(), self.wgate.weight.float())], 1)
+        usable = kv.shape[1] // self.ratio * self.ratio
+        cache.buf_kv, cache.buf_gate = kv[:, usable:], gate[:, usable:]
+        return self.norm(pool_groups(kv[:, :usable], gate[:, :usable], self.ratio).to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """`attn.indexer` of an index source; `wk`/`k_norm` only on KV sources (they produce the shared keys)."""
+
+    def __init__(self, args, layer: int, numerics: Numerics, mapping, comm, dtype: torch.dtype):
+        super().__init__()
+        tp, _ = tp_of(mapping)
+        if args.index_n_heads % tp:
+            raise ValueError(f"index_n_heads={args.index_n_heads} is not divisible by tp={tp}")
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.n_local = args.index_n_heads // tp
+        self.comm = comm
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, self.n_heads * self.head_dim, numerics, mapping, "fp8",
+                                         dtype=dtype)
+        self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads, numerics, mapping, None, dtype=dtype)
+        self.owns_k = layer in args.kv_source_layer_ids
+        if self.owns_k:
+            self.wk = Linear(args.head_dim, self.head_dim, numerics, None, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Index keys of new entries: FP4(RoPE(k_norm(wk · latent))). latent [B,G,d], positions [B,G]."""
+        return fake_quant_fp4_pow2(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq), INDEX_BLOCK)
+
+    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               index_k: torch.Tensor) -> torch.Tensor:
+        """Σ_h w_h · ReLU(q_h · k_t) / sqrt(index_head_dim), w = weights_proj(x) / sqrt(n_heads). -> [B,S,T] fp32."""
+        b, s, _ = x.shape
+        q = self.wq_b(q_res).view(b, s, self.n_local, self.head_dim)
+        q = fake_quant_fp4_pow2(apply_rope(q, positions, inv_freq), INDEX_BLOCK)
+        logits = torch.einsum("bshd,btd->bsht", q.float(), index_k.float()).relu() * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return self.comm.all_reduce((logits * w.unsqueeze(-1)).sum(2))   # index heads are sharded: sum partials
+
+
+class GroupedLinear(nn.Module):
+    """`attn.wo_a`: block-diagonal projection of each head group to o_lora_rank (run unquantized, as the reference).
+
+    weight [n_groups * rank, group_in]; x [.., n_groups, group_in] -> [.., n_groups * rank].
+    """
+
+    def __init__(self, n_groups: int, rank: int, group_in: int, dtype: torch.dtype):
+        super().__init__()
+        self.n_groups, self.rank = n_groups, rank
+        self.weight = nn.Parameter(torch.empty(n_groups * rank, group_in, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.n_groups, self.rank, -1)
+        return torch.einsum("...gi,gri->...gr", x.to(w.dtype), w).flatten(-2)
+
+
+class Attention(nn.Module):
+    """`layers.{l}.attn` (and `mtp.{s}.attn`): window + shared compressed KV, sink, inverse RoPE, grouped output."""
+
+    def __init__(self, args, layer: int, numerics: Numerics, mapping=None, comm=None, dtype=torch.float32):
+        super().__init__()
+        tp, _ = tp_of(mapping)
+        comm = comm or LocalComm()
+        h, g, d = args.num_attention_heads, args.o_groups, args.head_dim
+        if h % tp or g % tp:
+            raise ValueError(f"num_attention_heads={h} and o_groups={g} must be divisible by tp={tp}")
+        self.args, self.layer, self.ratio = args, layer, args.ratio(layer)
+        self.n_local, self.g_local, self.head_dim, self.window = h // tp, g // tp, d, args.sliding_window
+        self.wq_a = Linear(args.hidden_size, args.q_lora_rank, numerics, "fp8", dtype=dtype)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, h * d, numerics, mapping, "fp8", dtype=dtype)
+        self.wkv = Linear(args.hidden_size, d, numerics, "fp8", dtype=dtype)
+        self.kv_norm = RMSNorm(d, args.rms_norm_eps)
+        self.wo_a = GroupedLinear(self.g_local, args.o_lora_rank, h * d // g, dtype)
+        self.wo_b = RowParallelLinear(g * args.o_lora_rank, args.hidden_size, numerics, mapping, comm, "fp8",
+                                      dtype=dtype)
+        start, stop = local_slice(h, mapping)
+        self.attn_sink = nn.Parameter(torch.zeros(stop - start, dtype=torch.float32))
+        is_main = layer < args.n_layers
+        self.kv_source = args.kv_source_of(layer) if is_main else -1
+        self.index_source = args.index_source_of(layer) if is_main else -1
+        self.compressor = Compressor(args, self.ratio, numerics, dtype) if self.kv_source == layer else None
+        self.indexer = (Indexer(args, layer, numerics, mapping, comm, dtype) if self.index_source == layer
+                        else None)
+
+    # -- shared pieces -------------------------------------------------------------------------------------------
+    def _query(self, x, positions, inv):
+        q_res = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_res).view(*x.shape[:2], self.n_local, self.head_dim)
+        return q_res, apply_rope(q, positions, inv)
+
+    def window_kv(self, x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """K = V rows: FP8(RoPE(kv_norm(wkv · x))). x [B,S,D], positions [B,S] -> [B,S,head_dim]."""
+        return fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), positions, inv), WINDOW_KV_BLOCK)
+
+    def _output(self, q, keys, allowed, positions, inv):
+        o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        o = apply_rope(o, positions, inv, inverse=True)  # V carried RoPE: undo the query's rotation
+        return self.wo_b(self.wo_a(o.flatten(-2).unflatten(-1, (self.g_local, -1))))
+
+    # -- target model: one chunk of S new tokens -----------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """x [B,S,D] (after attn_norm) -> [B,S,D]. `ctx` carries positions, the request state and per-forward
+        selections (`ChunkContext` in v41.py); the window rows and the source caches are updated in place."""
+        b, s, _ = x.shape
+        pos, p0 = ctx.positions, ctx.start
+        inv = layer_inv_freq(self.args, self.layer, x.device)
+        q_res, q = self._query(x, pos, inv)
+        kv = self.window_kv(x, pos, inv)
+        old = ctx.state.window[self.layer]
+        keys = torch.cat([old.to(kv.dtype), kv], 1)
+        kpos = torch.arange(p0 - old.shape[1], p0 + s, device=x.device)
+        qpos = pos[0]
+        allowed = ((kpos <= qpos[:, None]) & (kpos > qpos[:, None] - self.window)).expand(b, s, -1)
+        ctx.state.window[self.layer] = keys[:, keys.shape[1] - min(keys.shape[1], self.window - 1):]
+        if self.ratio:
+            cache = ctx.state.sources[self.kv_source]
+            if self.compressor is not None:
+                self._compress(x, cache, inv)
+            if self.indexer is not None:
+                ctx.selections[self.layer] = self._select(x, q_res, pos, cache, inv, ctx.selections)
+            sel = ctx.selections[self.index_source]
+            keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
+            allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
+        return self._output(q, keys, allowed, pos, inv)
+
+    def _compress(self, x: torch.Tensor, cache: SourceCache, inv: torch.Tensor) -> None:
+        first = cache.count
+        latent = self.compressor(x, cache)                                         # pre-RoPE
+        if latent.shape[1] == 0:
+            return
+        epos = ((first + torch.arange(latent.shape[1], device=x.device)) * self.ratio).expand(x.shape[0], -1)
+        # the indexer keys are derived from the latent before it is rotated into the main cache
+        cache.index_k = torch.cat([cache.index_k, self.indexer.keys(latent, epos, inv).to(cache.index_k.dtype)], 1)
+        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        cache.kv = torch.cat([cache.kv, rot.to(cache.kv.dtype)], 1)
+
+    def _select(self, x, q_res, pos, cache: SourceCache, inv, selections: dict) -> torch.Tensor:
+        """Top-k entries per query (−1 padded) [B,S,index_topk]; publishes the candidate mask at the candidate source."""
+        a = self.args
+        scores = self.indexer.scores(x, q_res, pos, inv, cache.index_k)
+        counts = visible_counts(pos, self.ratio)
+        scores = scores.masked_fill(torch.arange(cache.count, device=x.device) >= counts.unsqueeze(-1),
+                                    float("-inf"))
+        cand = a.candidate_source_layer_id
+        if self.layer == cand:
+            selections["candidates"] = select_candidate_blocks(scores, counts, a.candidate_topk_blocks,
+                                                               a.candidate_block_size)
+        elif 0 <= cand < self.layer and "candidates" in selections:
+            scores = scores.masked_fill(~selections["candidates"], float("-inf"))
+        return topk_indices(scores, a.index_topk)
+
+    # -- DSpark draft stage: a block of K positions attending to the context ring and to each other -----------------
+    def draft_forward(self, x: torch.Tensor, ring: torch.Tensor, ring_valid: torch.Tensor,
+                      frames: torch.Tensor) -> torch.Tensor:
+        """x [B,K,D] block hidden; ring [B,W,d] context rows; ring_valid [B,W]; frames [B,K] RoPE positions.
+
+        Non-causal inside the block: every block position sees every other and the valid context rows."""
+        b, k, _ = x.shape
+        inv = layer_inv_freq(self.args, self.layer, x.device)
+        _, q = self._query(x, frames, inv)
+        keys = torch.cat([ring.to(x.dtype), self.window_kv(x, frames, inv)], 1)
+        allowed = torch.cat([ring_valid.unsqueeze(1).expand(b, k, -1),
+                             torch.ones(b, k, k, dtype=torch.bool, device=x.device)], -1)
+        return self._output(q, keys, allowed, frames, inv)

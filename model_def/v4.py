@@ -1,0 +1,522 @@
+"""DeepSeek-V4-Flash reference model in plain PyTorch, and its checkpoint name table.
+
+Numerics (design.md §3): `hf` is transformers 5.23 `DeepseekV4ForCausalLM` (weights dequantized, no activation or KV
+quantization); `deploy` adds the official reference's QAT points (architecture.md §2.13): FP8 1×128 activations
+before FP8/FP4-weight linears (not `wo_a`, router, compressor, `weights_proj`), FP8 (block 64) on the nope channels of
+window and compressed KV, and Hadamard + FP4 (block 32) on indexer keys and queries.
+
+One code path serves full forwards and incremental decoding: `logits` is a `step` on a fresh `V4State`. A step takes
+any number of new tokens (a prefill chunk or one decode token); the state keeps per layer the window ring, the
+compressor's pending rows of the unfinished group and the previous group's overlap rows, and the compressed caches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.model_def.config import V4Args
+from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
+                                      RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
+                                      rope_inv_freq, sink_attention, sqrtsoftplus, tp_of)
+from dsflash.model_def.mapping import Mapping, split_range
+from dsflash.model_def.names import TensorEntry
+from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
+
+KV_QUANT_BLOCK = 64      # FP8 scale block of window / compressed KV nope channels
+INDEX_QUANT_BLOCK = 32   # FP4 scale block of indexer keys / queries
+OVERLAP_RATIO = 4        # the ratio whose compressor overlaps windows and has an indexer
+
+
+# -- name table ------------------------------------------------------------------------------------------------------
+def _compressor_table(p: str, args: V4Args, ratio: int, dim: int) -> list[TensorEntry]:
+    c = 2 if ratio == OVERLAP_RATIO else 1
+    D = args.hidden_size
+    return [TensorEntry(p + "wkv.weight", (c * dim, D), "bf16"),
+            TensorEntry(p + "wgate.weight", (c * dim, D), "bf16"),
+            TensorEntry(p + "ape", (ratio, c * dim), "f32", "ape"),
+            TensorEntry(p + "norm.weight", (dim,), "bf16", "norm")]
+
+
+def _block_table(p: str, args: V4Args, layer: int) -> list[TensorEntry]:
+    D, H, d, n = args.hidden_size, args.num_attention_heads, args.head_dim, args.hc_mult
+    q, g, ol, r = args.q_lora_rank, args.o_groups, args.o_lora_rank, args.ratio(layer)
+    E, I = args.n_routed_experts, args.moe_intermediate_size
+
+    def e(name, shape, role, init="linear", shard=None):
+        return TensorEntry(p + name, tuple(shape), role, init, shard)
+
+    t = [e("attn_norm.weight", (D,), "bf16", "norm"), e("ffn_norm.weight", (D,), "bf16", "norm")]
+    for site in ("attn", "ffn"):
+        t += [e(f"hc_{site}_fn", ((2 + n) * n, n * D), "f32", "hc_fn"),
+              e(f"hc_{site}_base", ((2 + n) * n,), "f32", "hc_base"),
+              e(f"hc_{site}_scale", (3,), "f32", "hc_scale")]
+    t += [e("attn.wq_a.weight", (q, D), "fp8_block"),
+          e("attn.q_norm.weight", (q,), "bf16", "norm"),
+          e("attn.wq_b.weight", (H * d, q), "fp8_block", shard="col"),
+          e("attn.wkv.weight", (d, D), "fp8_block"),
+          e("attn.kv_norm.weight", (d,), "bf16", "norm"),
+          e("attn.wo_a.weight", (g * ol, H * d // g), "fp8_block", shard="col"),  # FP8 on disk, run unquantized
+          e("attn.wo_b.weight", (D, g * ol), "fp8_block", shard="row"),
+          e("attn.attn_sink", (H,), "f32", "sink", "head")]
+    if r:
+        t += _compressor_table(p + "attn.compressor.", args, r, d)
+    if r == OVERLAP_RATIO:
+        ih, hd = args.index_n_heads, args.index_head_dim
+        t += [e("attn.indexer.wq_b.weight", (ih * hd, q), "fp8_block", shard="col"),
+              e("attn.indexer.weights_proj.weight", (ih, D), "bf16", shard="col")]
+        t += _compressor_table(p + "attn.indexer.compressor.", args, r, hd)
+    t.append(e("ffn.gate.weight", (E, D), "bf16"))
+    if layer < args.num_hash_layers:
+        t.append(e("ffn.gate.tid2eid", (args.vocab_size, args.num_experts_per_tok), "i64", "tid2eid"))
+    else:
+        t.append(e("ffn.gate.bias", (E,), "f32", "bias"))
+    for x in range(E):
+        t += [e(f"ffn.experts.{x}.w1.weight", (I, D), "mxfp4", shard="expert"),
+              e(f"ffn.experts.{x}.w2.weight", (D, I), "mxfp4", shard="expert"),
+              e(f"ffn.experts.{x}.w3.weight", (I, D), "mxfp4", shard="expert")]
+    t += [e("ffn.shared_experts.w1.weight", (I, D), "fp8_block"),
+          e("ffn.shared_experts.w2.weight", (D, I), "fp8_block"),
+          e("ffn.shared_experts.w3.weight", (I, D), "fp8_block")]
+    return t
+
+
+def _head_table(p: str, args: V4Args) -> list[TensorEntry]:
+    D, n = args.hidden_size, args.hc_mult
+    return [TensorEntry(p + "hc_head_fn", (n, n * D), "f32", "hc_fn"),
+            TensorEntry(p + "hc_head_base", (n,), "f32", "hc_base"),
+            TensorEntry(p + "hc_head_scale", (1,), "f32", "hc_scale")]
+
+
+def tensor_table(args: V4Args) -> list[TensorEntry]:
+    """Every tensor of the V4-Flash HF checkpoint (architecture.md §3.1), MTP copies of embed/head excluded."""
+    D, V = args.hidden_size, args.vocab_size
+    t = [TensorEntry("embed.weight", (V, D), "bf16", "embed")]
+    for i in range(args.n_layers):
+        t += _block_table(f"layers.{i}.", args, i)
+    t += [TensorEntry("norm.weight", (D,), "bf16", "norm"), TensorEntry("head.weight", (V, D), "bf16")]
+    t += _head_table("", args)
+    for j in range(args.n_draft):
+        p = f"mtp.{j}."
+        t += _block_table(p, args, args.n_layers + j)
+        t += [TensorEntry(p + "e_proj.weight", (D, D), "fp8_block"),
+              TensorEntry(p + "h_proj.weight", (D, D), "fp8_block"),
+              TensorEntry(p + "enorm.weight", (D,), "bf16", "norm"),
+              TensorEntry(p + "hnorm.weight", (D,), "bf16", "norm"),
+              TensorEntry(p + "norm.weight", (D,), "bf16", "norm")]
+        t += _head_table(p, args)
+    return t
+
+
+# -- deploy-mode quantizers ------------------------------------------------------------------------------------------
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to BF16 and back: the reference's activations are BF16 wherever it quantizes."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def _fq_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """FP8 fake-quant with `block`-wide pow2 scales along the last dim; a ragged tail forms its own (short) block.
+
+    Zero padding leaves every block's amax unchanged, so this equals per-block quantization of the ragged layout
+    (the tiny presets have nope = 96 channels and 64/96-wide linear inputs against blocks of 64/128)."""
+    pad = -x.shape[-1] % block
+    if not pad:
+        return fake_quant_fp8(x, block)
+    return fake_quant_fp8(F.pad(x, (0, pad)), block)[..., :x.shape[-1]]
+
+
+class _RaggedNumerics(Numerics):
+    """`Numerics` whose deploy act quant accepts widths that are not a multiple of the block (tiny presets)."""
+
+    def act_in(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
+        if not (self.deploy and quantized):
+            return x
+        return _fq_fp8(_bf16(x), self.act_block)
+
+
+def _index_quant(x: torch.Tensor) -> torch.Tensor:
+    """Indexer key/query QAT: Hadamard rotation of the whole head, then FP4 e2m1 with e8m0 scales per 32."""
+    return fake_quant_fp4_pow2(_bf16(hadamard(_bf16(x))), INDEX_QUANT_BLOCK)
+
+
+# -- decoding state --------------------------------------------------------------------------------------------------
+class V4State:
+    """Per-request state of a batch that advances in lockstep: `pos` tokens seen, and one dict of tensors per layer
+    (main layers, then MTP layers with their own `mtp_pos`). Tensors are replaced, never written in place, so a
+    snapshot is a shallow copy of the dicts."""
+
+    def __init__(self, layers: list[dict], mtp: list[dict]):
+        self.pos, self.mtp_pos = 0, 0
+        self.layers, self.mtp = layers, mtp
+
+    def snapshot(self):
+        return self.pos, self.mtp_pos, [dict(d) for d in self.layers], [dict(d) for d in self.mtp]
+
+    def restore(self, snap) -> None:
+        self.pos, self.mtp_pos = snap[0], snap[1]
+        self.layers, self.mtp = [dict(d) for d in snap[2]], [dict(d) for d in snap[3]]
+
+
+# -- modules ---------------------------------------------------------------------------------------------------------
+class Compressor(nn.Module):
+    """Gated pooling of every `ratio` tokens into one `dim`-wide entry (architecture.md §2.5).
+
+    Ratio 4 overlaps: each token projects to 2·dim channels, the first half joins the *next* group's pool, so entry t
+    pools 8 rows (group t−1's first half, group t's second half) with a per-channel softmax over the rows. Entries are
+    normalized, rotated at position t·ratio and (deploy) quantized: FP8 nope for attention KV, Hadamard + FP4 for
+    indexer keys."""
+
+    def __init__(self, args: V4Args, ratio: int, dim: int, numerics: Numerics, kind: str):
+        super().__init__()
+        self.ratio, self.dim, self.kind, self.numerics = ratio, dim, kind, numerics
+        self.overlap = ratio == OVERLAP_RATIO
+        c = 2 if self.overlap else 1
+        self.nope = dim - args.rope_dim
+        # BF16 on disk, computed in fp32 without act quant (as the reference upcasts them)
+        self.wkv = Linear(args.hidden_size, c * dim, numerics)
+        self.wgate = Linear(args.hidden_size, c * dim, numerics)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * dim))
+        self.norm = RMSNorm(dim, args.rms_norm_eps)
+
+    def init_state(self, st: dict, key: str, B: int, dtype: torch.dtype) -> None:
+        r, w = self.ratio, self.wkv.out_features
+        st[key + ".pend_kv"] = torch.zeros(B, r, w)
+        st[key + ".pend_sc"] = torch.full((B, r, w), float("-inf"))
+        if self.overlap:
+            st[key + ".prev_kv"] = torch.zeros(B, r, self.dim)
+            st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"))
+        st[key + ".cache"] = torch.zeros(B, 0, self.dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, pos0: int, st: dict, key: str, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Feed tokens pos0.. of x [B,S,D]; returns the whole compressed cache [B,T,dim], T = (pos0+S)//ratio."""
+        B, S, _ = x.shape
+        r, d = self.ratio, self.dim
+        pos = pos0 + torch.arange(S)
+        kv = self.wkv(x).float()
+        sc = self.wgate(x).float() + self.ape.float()[pos % r]
+        n_pend = pos0 % r  # rows of the unfinished group already seen
+        kv = torch.cat([st[key + ".pend_kv"][:, :n_pend], kv], 1)
+        sc = torch.cat([st[key + ".pend_sc"][:, :n_pend], sc], 1)
+        G = kv.shape[1] // r
+        cut, rem = G * r, kv.shape[1] - G * r
+        st[key + ".pend_kv"] = torch.cat([kv[:, cut:], st[key + ".pend_kv"][:, rem:]], 1)
+        st[key + ".pend_sc"] = torch.cat([sc[:, cut:], st[key + ".pend_sc"][:, rem:]], 1)
+        if G == 0:
+            return st[key + ".cache"]
+        kv, sc = kv[:, :cut].unflatten(1, (G, r)), sc[:, :cut].unflatten(1, (G, r))  # [B,G,r,c*d]
+        if self.overlap:
+            prev_kv = torch.cat([st[key + ".prev_kv"].unsqueeze(1), kv[:, :-1, :, :d]], 1)
+            prev_sc = torch.cat([st[key + ".prev_sc"].unsqueeze(1), sc[:, :-1, :, :d]], 1)
+            st[key + ".prev_kv"], st[key + ".prev_sc"] = kv[:, -1, :, :d], sc[:, -1, :, :d]
+            kv = torch.cat([prev_kv, kv[..., d:]], 2)  # [B,G,2r,d]
+            sc = torch.cat([prev_sc, sc[..., d:]], 2)
+        e = (kv * sc.softmax(2)).sum(2)  # [B,G,d]
+        e = rms_norm(e, self.norm.eps, self.norm.weight)
+        t = pos0 // r + torch.arange(G)
+        e = apply_rope(e, (t * r).expand(B, G), inv_freq)
+        if self.numerics.deploy:
+            if self.kind == "index":
+                e = _index_quant(e)
+            else:
+                e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+        st[key + ".cache"] = torch.cat([st[key + ".cache"], e.to(st[key + ".cache"].dtype)], 1)
+        return st[key + ".cache"]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (§2.6): per query, the top-`index_topk` visible ratio-4 entries by Σ_h w_h·ReLU(q_h·k_t)."""
+
+    def __init__(self, args: V4Args, numerics: Numerics, mapping: Mapping | None, comm: Comm, dtype: torch.dtype):
+        super().__init__()
+        tp, _ = tp_of(mapping)
+        self.n_heads_total, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.n_heads = self.n_heads_total // tp
+        self.numerics, self.comm = numerics, comm
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, self.n_heads_total * self.head_dim, numerics, mapping,
+                                         "fp8", dtype=dtype)
+        self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads_total, numerics, mapping, dtype=dtype)
+        self.compressor = Compressor(args, OVERLAP_RATIO, self.head_dim, numerics, "index")
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, pos0: int, st: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+        """-> selected [B,S,T] bool over the compressed entries."""
+        B, S, _ = x.shape
+        pos = pos0 + torch.arange(S)
+        k = self.compressor(x, pos0, st, "idx", inv_freq)  # [B,T,hd]
+        T = k.shape[1]
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos.expand(B, S), inv_freq)
+        if self.numerics.deploy:
+            q = _index_quant(q)
+        w = self.weights_proj(x).float() * self.n_heads_total ** -0.5  # [B,S,h]
+        score = torch.einsum("bshd,btd->bsht", q.float(), k.float()).relu() * self.head_dim ** -0.5
+        score = self.comm.all_reduce((score * w.unsqueeze(-1)).sum(2))  # [B,S,T], partial over local heads
+        visible = (torch.arange(T) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
+        score = score.masked_fill(~visible, float("-inf"))
+        # stable descending sort: ties (e.g. all heads ReLU'd to 0) go to the lower index, whatever T is, so a
+        # chunked prefill picks what a full forward picks; picks past the visible range are dropped (the −1 slots)
+        top = score.argsort(dim=-1, descending=True, stable=True)[..., :min(self.topk, T)]
+        return torch.zeros(B, S, T, dtype=torch.bool).scatter(-1, top, visible.gather(-1, top))
+
+
+class Attention(nn.Module):
+    """Shared-latent MQA (K = V) over the sliding window plus compressed entries, with sink and grouped output (§2.4).
+
+    RoPE on the last rope_dim channels (plain theta on ratio-0 layers; compress theta + YaRN, no mscale, otherwise);
+    the output is inverse-rotated at the query position before `wo_a` (block-diagonal per group, unquantized)."""
+
+    def __init__(self, args: V4Args, layer: int, numerics: Numerics, mapping: Mapping | None, comm: Comm,
+                 dtype: torch.dtype):
+        super().__init__()
+        tp, _ = tp_of(mapping)
+        D, H, d, q = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank
+        g, ol = args.o_groups, args.o_lora_rank
+        self.ratio, self.window, self.head_dim, self.eps = args.ratio(layer), args.sliding_window, d, args.rms_norm_eps
+        self.n_heads, self.n_groups, self.o_lora_rank = H // tp, g // tp, ol
+        self.nope, self.numerics = d - args.rope_dim, numerics
+        self.wq_a = Linear(D, q, numerics, "fp8", dtype=dtype)
+        self.q_norm = RMSNorm(q, self.eps)
+        self.wq_b = ColumnParallelLinear(q, H * d, numerics, mapping, "fp8", dtype=dtype)
+        self.wkv = Linear(D, d, numerics, "fp8", dtype=dtype)
+        self.kv_norm = RMSNorm(d, self.eps)
+        # FP8 on disk; used only through .weight in an einsum (no act quant), as the reference's BF16 einsum
+        self.wo_a = ColumnParallelLinear(H * d // g, g * ol, numerics, mapping, "fp8", dtype=dtype)
+        self.wo_b = RowParallelLinear(g * ol, D, numerics, mapping, comm, "fp8", dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.compressor = Compressor(args, self.ratio, d, numerics, "kv") if self.ratio else None
+        self.indexer = Indexer(args, numerics, mapping, comm, dtype) if self.ratio == OVERLAP_RATIO else None
+        if self.ratio:
+            inv_freq = rope_inv_freq(args.rope_dim, args.compress_rope_theta, args.yarn)
+        else:
+            inv_freq = rope_inv_freq(args.rope_dim, args.rope_theta, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_state(self, st: dict, B: int, dtype: torch.dtype) -> None:
+        st["win"] = torch.zeros(B, self.window, self.head_dim, dtype=dtype)
+        if self.compressor is not None:
+            self.compressor.init_state(st, "kv", B, dtype)
+        if self.indexer is not None:
+            self.indexer.compressor.init_state(st, "idx", B, dtype)
+
+    def forward(self, x: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+        B, S, _ = x.shape
+        W, f = self.window, self.inv_freq
+        pos = pos0 + torch.arange(S)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,h,d]
+        q = apply_rope(rms_norm(q, self.eps).to(q.dtype), pos.expand(B, S), f)  # per-head RMS, no weight
+        kv = apply_rope(self.kv_norm(self.wkv(x)), pos.expand(B, S), f)  # [B,S,d]
+        if self.numerics.deploy:
+            kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
+        # window keys: the ring (positions < pos0, slot = pos % W) then the new rows
+        slot = torch.arange(W)
+        ring_pos = (pos0 - 1) - (pos0 - 1 - slot) % W  # latest position held by each slot (< 0: empty)
+        kpos = torch.cat([ring_pos, pos])
+        allowed = (kpos >= 0) & (kpos <= pos.unsqueeze(-1)) & (kpos > pos.unsqueeze(-1) - W)  # [S, W+S]
+        keys = torch.cat([st["win"], kv.to(st["win"].dtype)], 1)
+        n = min(S, W)
+        ring = st["win"].clone()
+        ring[:, pos[-n:] % W] = kv[:, -n:].to(ring.dtype)
+        st["win"] = ring
+        allowed = allowed.expand(B, S, -1)
+        if self.ratio:
+            ckv = self.compressor(x, pos0, st, "kv", f)  # [B,T,d]
+            if self.indexer is not None:
+                sel = self.indexer(x, qr, pos0, st, f)
+            else:
+                sel = (torch.arange(ckv.shape[1]) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, -1)
+            keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
+            allowed = torch.cat([allowed, sel], -1)
+        o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)  # [B,S,h,d]
+        o = apply_rope(o, pos.expand(B, S), f, inverse=True)
+        o = o.flatten(2).unflatten(-1, (self.n_groups, -1))  # [B,S,g,h/g*d]
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        z = torch.einsum("bsgi,goi->bsgo", o, wo_a.to(o.dtype))
+        return self.wo_b(z.flatten(2))
+
+
+class Gate(nn.Module):
+    """Router: sqrt(softplus(x·Wᵀ)) scores in fp32; top-k of score + bias, or `tid2eid[token]` on hash layers;
+    weights = the unbiased scores of the picks, normalized, × routed_scaling_factor."""
+
+    def __init__(self, args: V4Args, layer: int):
+        super().__init__()
+        self.topk, self.route_scale = args.num_experts_per_tok, args.routed_scaling_factor
+        self.hash = layer < args.num_hash_layers
+        self.weight = nn.Parameter(torch.zeros(args.n_routed_experts, args.hidden_size))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(args.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = sqrtsoftplus(F.linear(x.float(), self.weight.float()))  # [N,E]
+        idx = self.tid2eid[ids] if self.hash else (s + self.bias.float()).topk(self.topk, -1).indices
+        w = s.gather(1, idx)
+        return w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale, idx  # 1e-20: as transformers
+
+
+class MoE(nn.Module):
+    """Routed experts (MXFP4, this rank's EP range, MoE-TP slice of the intermediate dim) + one shared expert.
+
+    Routed outputs accumulate in fp32 and are summed over the TP group; the shared expert is replicated."""
+
+    def __init__(self, args: V4Args, layer: int, numerics: Numerics, mapping: Mapping | None, comm: Comm,
+                 dtype: torch.dtype):
+        super().__init__()
+        E, D, I, lim = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
+        local, (lo, hi) = range(E), (0, I)
+        if mapping is not None:
+            local, (lo, hi) = mapping.ep_experts(E), split_range(I, mapping.moe_tp_size, mapping.moe_tp_rank)
+        self.comm, self.tp = comm, tp_of(mapping)[0]
+        self.gate = Gate(args, layer)
+        self.experts = nn.ModuleList([Expert(D, hi - lo, numerics, "fp4", lim, dtype) if e in local else None
+                                      for e in range(E)])
+        self.shared_experts = Expert(D, I, numerics, "fp8", lim, dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x, ids = x.reshape(-1, shape[-1]), ids.reshape(-1)
+        w, idx = self.gate(x, ids)
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        for e in idx.unique().tolist():
+            if self.experts[e] is None:
+                continue
+            tok, k = torch.where(idx == e)
+            y.index_add_(0, tok, self.experts[e](x[tok], w[tok, k]).float())
+        if self.tp > 1:
+            y = self.comm.all_reduce(y)
+        y = y + self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)
+
+
+class Block(nn.Module):
+    """X → hc_pre(attn) → attn_norm → Attention → hc_post → hc_pre(ffn) → ffn_norm → MoE → hc_post (§2.8)."""
+
+    def __init__(self, args: V4Args, layer: int, numerics: Numerics, mapping: Mapping | None, comm: Comm,
+                 dtype: torch.dtype):
+        super().__init__()
+        D, n = args.hidden_size, args.hc_mult
+        self.n, self.iters, self.hc_eps, self.eps = n, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+        self.attn = Attention(args, layer, numerics, mapping, comm, dtype)
+        self.ffn = MoE(args, layer, numerics, mapping, comm, dtype)
+        self.attn_norm = RMSNorm(D, self.eps)
+        self.ffn_norm = RMSNorm(D, self.eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * D)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.zeros(3)))
+
+    def _hc(self, X: torch.Tensor, site: str):
+        return hc_mix(X.flatten(-2), getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), self.n, self.iters, self.hc_eps, self.eps)
+
+    def forward(self, X: torch.Tensor, ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+        # X: [B,S,n,D]
+        pre, post, comb = self._hc(X, "attn")
+        X = hc_expand(X, self.attn(self.attn_norm(hc_collapse(X, pre)), pos0, st), post, comb)
+        pre, post, comb = self._hc(X, "ffn")
+        return hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids), post, comb)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final stream collapse: pre = sigmoid(scale·(x·fnᵀ)·rsqrt(mean x²) + base) + eps; Σ pre_j X_j. [..,n,D]->[..,D]"""
+    xf = X.flatten(-2).float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid((xf @ fn.float().t()) * r * scale.float() + base.float()) + hc_eps
+    return hc_collapse(X, pre)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction block `mtp.{j}` (§2.11): x = e_proj(enorm(embed(next_ids))) + h_proj(hnorm(X_main))
+    per stream, one SWA block, its own hc_head + norm, the shared head. embed/head are the main model's."""
+
+    def __init__(self, args: V4Args, layer: int, numerics: Numerics, mapping: Mapping | None, comm: Comm,
+                 dtype: torch.dtype, shared: tuple[nn.Module, nn.Module]):
+        super().__init__(args, layer, numerics, mapping, comm, dtype)
+        D, n = args.hidden_size, args.hc_mult
+        self.e_proj = Linear(D, D, numerics, "fp8", dtype=dtype)
+        self.h_proj = Linear(D, D, numerics, "fp8", dtype=dtype)
+        self.enorm = RMSNorm(D, self.eps)
+        self.hnorm = RMSNorm(D, self.eps)
+        self.norm = RMSNorm(D, self.eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.zeros(1))
+        self._shared = shared  # (embed, head) of the main model; a tuple, so not registered as submodules
+
+    def forward(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+        embed, head = self._shared
+        e = self.enorm(embed(next_ids))
+        X = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(X_main))  # [B,S,n,D]
+        X = super().forward(X, next_ids, pos0, st)
+        x = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.eps))
+        return head(x).float()
+
+
+class DeepseekV4Model(nn.Module):
+    """DeepSeek-V4-Flash with MTP; parameter names are the HF checkpoint keys (`tensor_table`)."""
+
+    def __init__(self, args: V4Args, numerics: Numerics, mapping: Mapping | None = None, comm: Comm | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        numerics = _RaggedNumerics(numerics.mode, numerics.act_block)
+        comm = comm or LocalComm()
+        D, n = args.hidden_size, args.hc_mult
+        self.args, self.numerics, self.dtype = args, numerics, dtype
+        self.embed = nn.Embedding(args.vocab_size, D, dtype=dtype)
+        self.layers = nn.ModuleList([Block(args, i, numerics, mapping, comm, dtype) for i in range(args.n_layers)])
+        self.norm = RMSNorm(D, args.rms_norm_eps)
+        self.head = Linear(D, args.vocab_size, numerics, dtype=dtype)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.zeros(1))
+        self.mtp = nn.ModuleList([MTPBlock(args, args.n_layers + j, numerics, mapping, comm, dtype,
+                                           (self.embed, self.head)) for j in range(args.n_draft)])
+
+    def new_state(self, batch_size: int) -> V4State:
+        layers, mtp = [{} for _ in self.layers], [{} for _ in self.mtp]
+        for blk, st in zip(list(self.layers) + list(self.mtp), layers + mtp):
+            blk.attn.init_state(st, batch_size, self.dtype)
+        return V4State(layers, mtp)
+
+    @torch.no_grad()
+    def streams(self, input_ids: torch.Tensor, state: V4State) -> torch.Tensor:
+        """Run new tokens through the main layers; returns the final streams X [B,S,n,D] (before hc_head)."""
+        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+        for blk, st in zip(self.layers, state.layers):
+            X = blk(X, input_ids, state.pos, st)
+        state.pos += input_ids.shape[1]
+        return X
+
+    def head_logits(self, X: torch.Tensor) -> torch.Tensor:
+        x = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args.hc_eps,
+                    self.args.rms_norm_eps)
+        return self.head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, state: V4State) -> torch.Tensor:
+        """Incremental forward of input_ids [B,S_new] (prefill chunk or decode) -> logits [B,S_new,V] fp32."""
+        return self.head_logits(self.streams(input_ids, state))
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward without a cache -> [B,S,V] fp32."""
+        return self.step(input_ids, self.new_state(input_ids.shape[0]))
+
+    @torch.no_grad()
+    def mtp_logits(self, X_main: torch.Tensor, next_ids: torch.Tensor, state: V4State | None = None,
+                   j: int = 0) -> torch.Tensor:
+        """Draft logits of MTP block j from the main streams X_main [B,S,n,D] at positions mtp_pos.. and the tokens
+        that follow them, next_ids [B,S] (fresh state when None)."""
+        state = state or self.new_state(X_main.shape[0])
+        out = self.mtp[j](X_main, next_ids, state.mtp_pos, state.mtp[j])
+        state.mtp_pos += next_ids.shape[1]
+        return out
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        state = self.new_state(input_ids.shape[0])
+        out, nxt = [input_ids], input_ids
+        for _ in range(max_new_tokens):
+            nxt = self.step(nxt, state)[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+        return torch.cat(out, 1)
