@@ -24,7 +24,6 @@ from dsflash.model_def import build_model
 from dsflash.model_def.config import args_from_hf_dict
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import TensorEntry, tensor_table
-from dsflash.model_def.quant import dequant_fp8_block, dequant_fp8_rows32, dequant_mxfp4
 
 ENGINE_FILE = "engine.json"
 ENGINE_VERSION = 1
@@ -70,7 +69,8 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
             for e in tqdm(table, desc=f"rank {plan.rank}", unit="tensor", disable=not progress):
                 cut = plan.cuts.get(e.name)
                 if cut is not None:
-                    tensors.update(cut_stored(e, src.stored(e), cut, args.weight_block))
+                    piece = cut_stored(e, src.stored(e), cut, args.weight_block)
+                    tensors.update(to_layout(local_entry(e, cut), piece, src.layout, src.expert_dtype, args))
             fname = f"rank{plan.rank}.safetensors"
             save_file(tensors, str(tmp / fname), metadata={"rank": str(plan.rank)})
             ranks.append({"file": fname, "tensors": len(tensors), "bytes": plan.bytes,
@@ -97,6 +97,20 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def local_entry(e: TensorEntry, cut) -> TensorEntry:
+    return TensorEntry(e.name, cut.shape(e.shape), e.role, e.init, e.shard)
+
+
+def to_layout(e: TensorEntry, ref: dict[str, torch.Tensor], layout: str, expert_dtype: str, args) -> dict:
+    """A rank's piece (reference on-disk format) in the engine's layout: tiles and scales are per-rank matrices."""
+    if layout == "reference" and expert_dtype == "fp4":
+        return ref
+    from dsflash.convert import layouts
+    out = {o.name: ref[o.source] for o in layouts.outputs(e, layout, expert_dtype, args) if o.source is not None}
+    out.update(layouts.compute(e, ref, layout, expert_dtype, args))
     return out
 
 
@@ -153,51 +167,37 @@ def open_engine(path: str | Path, check_arch: bool = True) -> Engine:
     return Engine(path, meta)
 
 
-def _local_entries(eng: Engine, rank: int) -> tuple[list[TensorEntry], dict]:
-    args = eng.args
-    table = {e.name: e for e in tensor_table(args)}
-    with safe_open(str(eng.rank_file(rank)), framework="pt") as f:
-        names = set(f.keys())
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
-    entries = []
-    for name in names:
-        e = table.get(name)
-        if e is None:
-            if name.removesuffix(".scale") + ".weight" in table or name.endswith(".scale"):
-                continue
-            raise EngineError(f"{eng.rank_file(rank)}: unexpected tensor '{name}'")
-        shape = shapes[name]
-        logical = (shape[0], shape[1] * 2) if e.role == "mxfp4" else shape
-        entries.append(TensorEntry(name, logical, e.role, e.init, e.shard))
-    return entries, shapes
+class ShapeOnlyComm:
+    """The TP coordinates of a rank for shape checks on the meta device; it never communicates."""
 
+    def __init__(self, mapping: Mapping):
+        self.tp_size, self.tp_rank = mapping.tp_size, mapping.tp_rank
 
-def dequantize_local(e: TensorEntry, f, weight_block: int) -> torch.Tensor:
-    t = f.get_tensor(e.name)
-    if e.role == "i64":
-        return t
-    if e.role in ("bf16", "f32"):
-        return t.float()
-    s = f.get_tensor(e.scale_name)
-    if e.role == "fp8_block":
-        return dequant_fp8_block(t, s, weight_block)
-    if e.role == "mxfp4":
-        return dequant_mxfp4(t, s)
-    return dequant_fp8_rows32(t, s)
+    def all_reduce(self, x):
+        raise RuntimeError("ShapeOnlyComm is for building models on the meta device only")
 
 
 def verify_engine(path: str | Path) -> None:
     """Every rank file against the model built on the meta device: names, shapes, dtypes; nothing missing/extra."""
+    from dsflash.convert import layouts
     eng = open_engine(path, check_arch=False)
-    args = eng.args
-    padded = eng.meta["expert_inter_padded"]
-    local = eng.meta["expert_inter_local"]
-    for r in range(eng.world_size):
-        model = build_model(args, "deploy", mapping=eng.mapping(r), device="meta")
+    args, meta = eng.args, eng.meta
+    table = tensor_table(args)
+    plans = plan_ranks(args, table, eng.mapping(0), meta["arch"])
+    padded, local = meta["expert_inter_padded"], meta["expert_inter_local"]
+    for r, plan in enumerate(plans):
+        m = eng.mapping(r)
+        model = build_model(args, "deploy", mapping=m, comm=ShapeOnlyComm(m), device="meta")
         params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        entries, _ = _local_entries(eng, r)
-        seen = set()
-        for e in entries:
+        with safe_open(str(eng.rank_file(r)), framework="pt") as f:
+            have = {k: f.get_slice(k) for k in f.keys()}
+            have = {k: (tuple(v.get_shape()), v.get_dtype()) for k, v in have.items()}
+        expected = {}
+        for e in table:
+            cut = plan.cuts.get(e.name)
+            if cut is None:
+                continue
+            le = local_entry(e, cut)
             p = params.get(e.name)
             where = f"{eng.rank_file(r)}: tensor '{e.name}'"
             if p is None:
@@ -205,12 +205,22 @@ def verify_engine(path: str | Path) -> None:
             want = tuple(p.shape)
             if ".experts." in e.name and padded != local:
                 want = tuple(padded if s == local else s for s in want)
-            if tuple(e.shape) != want:
-                raise EngineError(f"{where} has logical shape {list(e.shape)}, rank-{r} model expects {list(want)}")
-            seen.add(e.name)
-        missing = [n for n, p in model.named_parameters() if n not in seen]
-        if missing:
-            raise EngineError(f"{eng.rank_file(r)}: missing tensors for the rank-{r} model, e.g. {missing[:3]}")
+            if le.shape != want:
+                raise EngineError(f"{where} has logical shape {list(le.shape)}, rank-{r} model expects {list(want)}")
+            for o in layouts.outputs(le, meta["layout"], meta["expert_dtype"], args):
+                expected[o.name] = (o.shape, o.dtype)
+        for name, (shape, dtype) in expected.items():
+            if name not in have:
+                raise EngineError(f"{eng.rank_file(r)}: tensor '{name}' is missing")
+            if have[name] != (shape, dtype):
+                raise EngineError(f"{eng.rank_file(r)}: tensor '{name}' is {have[name][1]} {list(have[name][0])}, "
+                                  f"expected {dtype} {list(shape)}")
+        extra = sorted(set(have) - set(expected))
+        if extra:
+            raise EngineError(f"{eng.rank_file(r)}: unexpected tensors, e.g. {extra[:3]}")
+        unused = [n for n in dict(model.named_parameters()) if n not in plan.cuts]
+        if unused:
+            raise EngineError(f"{eng.rank_file(r)}: no tensors for rank-{r} model parameters, e.g. {unused[:3]}")
 
 
 def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = "cpu", dtype=torch.float32):
@@ -218,13 +228,21 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = 
     eng = open_engine(path)
     if eng.meta["expert_inter_padded"] != eng.meta["expert_inter_local"]:
         raise EngineError(f"{path}: padded expert layouts run only with the GPU plugins")
-    args = eng.args
-    model = build_model(args, "deploy", mapping=eng.mapping(rank), comm=comm, dtype=dtype, device=device)
+    from dsflash.convert import layouts
+    args, meta = eng.args, eng.meta
+    mapping = eng.mapping(rank)
+    model = build_model(args, "deploy", mapping=mapping, comm=comm, dtype=dtype, device=device)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    entries, _ = _local_entries(eng, rank)
+    table = tensor_table(args)
+    cuts = plan_ranks(args, table, mapping, meta["arch"])[rank].cuts
     with safe_open(str(eng.rank_file(rank)), framework="pt") as f, torch.no_grad():
-        for e in entries:
-            params[e.name].copy_(dequantize_local(e, f, args.weight_block).to(params[e.name].dtype))
+        for e in table:
+            if e.name not in cuts:
+                continue
+            le = local_entry(e, cuts[e.name])
+            ours = {n: f.get_tensor(n) for n in layouts.stored_names(le, meta["layout"], meta["expert_dtype"], args)}
+            value = layouts.dequantize(le, ours, meta["layout"], meta["expert_dtype"], args)
+            params[e.name].copy_(value.to(params[e.name].dtype))
     if hasattr(model, "load_tokenizer"):
         model.load_tokenizer(Path(path) / "tokenizer.json")
     return model.eval(), eng

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsflash.model_def.mapping import Mapping, split_range
+from dsflash.model_def.mapping import Mapping, split_range, split_rows
 from dsflash.model_def.names import TensorEntry
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<id>\d+)\.(?P<w>w[123])\.weight$")
@@ -44,13 +44,6 @@ def expert_id(name: str) -> tuple[str, int, str] | None:
     return (m["prefix"], int(m["id"]), m["w"]) if m else None
 
 
-def rows_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    """Uneven split (first `total % parts` ranks get one more row), as torch.tensor_split."""
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (index < extra)
-
-
 def experts_per_prefix(table: list[TensorEntry]) -> dict[str, int]:
     counts: dict[str, set[int]] = {}
     for e in table:
@@ -73,7 +66,7 @@ def plan_cut(entry: TensorEntry, mapping: Mapping, n_experts: dict[str, int], we
             start, stop = split_range(entry.shape[dim], tp, rank)
             return _check_block(entry, Cut(dim, start, stop, stop - start), weight_block)
         if rule == "rows":
-            start, stop = rows_range(entry.shape[0], tp, rank)
+            start, stop = split_rows(entry.shape[0], tp, rank)
             return Cut(0, start, stop, stop - start)
         if rule == "expert":
             prefix, eid, w = expert_id(entry.name) or (None, None, None)

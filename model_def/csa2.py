@@ -26,12 +26,22 @@ COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
 INDEX_BLOCK = 32          # FP4 e2m1 with a pow2 (e8m0) scale per 32 channels, index keys and queries
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """Upcast for fp32-or-better math: fp32, but fp64 stays fp64 (fp64 reference runs keep rounding that depends on
+    evaluation order — gemv vs gemm, chunking — far below the FP4/FP8/bf16 grids, so full and incremental agree)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # -- selection primitives (pure functions) -------------------------------------------------------------------------
 def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tensor:
     """kv, gate [B, G*r, d] -> [B, G, d]: per channel, softmax of the gate over each group's r tokens (fp32)."""
     b, n, d = kv.shape
-    kv = kv.float().view(b, n // ratio, ratio, d)
-    w = gate.float().view(b, n // ratio, ratio, d).softmax(dim=2)
+    kv = wide(kv).view(b, n // ratio, ratio, d)
+    w = wide(gate).view(b, n // ratio, ratio, d).softmax(dim=2)
     return (kv * w).sum(2)
 
 
@@ -101,13 +111,14 @@ class SourceCache:
     """Growing state of one KV source: compressed entries, index keys, and (r > 1) the partial group in fp32."""
     kv: torch.Tensor        # [B, T, head_dim]  RoPE'd, FP4 fake-quantized
     index_k: torch.Tensor   # [B, T, index_head_dim]  RoPE'd, FP4 fake-quantized
-    buf_kv: torch.Tensor    # [B, m < r, head_dim] fp32 projections of the tokens of the open group
+    buf_kv: torch.Tensor    # [B, m < r, head_dim] fp32 (fp64) projections of the tokens of the open group
     buf_gate: torch.Tensor  # [B, m < r, head_dim] fp32 gate logits of those tokens
 
     @classmethod
     def empty(cls, batch: int, head_dim: int, index_dim: int, dtype: torch.dtype, device=None) -> "SourceCache":
         z = functools.partial(torch.zeros, batch, 0, device=device)
-        return cls(z(head_dim, dtype=dtype), z(index_dim, dtype=dtype), z(head_dim), z(head_dim))
+        return cls(z(head_dim, dtype=dtype), z(index_dim, dtype=dtype), z(head_dim, dtype=wide_dtype(dtype)),
+                   z(head_dim, dtype=wide_dtype(dtype)))
 
     @property
     def count(self) -> int:
@@ -130,8 +141,8 @@ class Compressor(nn.Module):
         if self.wgate is None:  # ratio 1: every token is its own entry, no pooling
             return self.norm(self.wkv(x))
         # pooling runs in fp32 (the reference upcasts the ratio-2 compressor)
-        kv = torch.cat([cache.buf_kv, F.linear(x.float(), self.wkv.weight.float())], 1)
-        gate = torch.cat([cache.buf_gate, F.linear(x.float(), self.wgate.weight.float())], 1)
+        kv = torch.cat([cache.buf_kv, F.linear(wide(x), wide(self.wkv.weight))], 1)
+        gate = torch.cat([cache.buf_gate, F.linear(wide(x), wide(self.wgate.weight))], 1)
         usable = kv.shape[1] // self.ratio * self.ratio
         cache.buf_kv, cache.buf_gate = kv[:, usable:], gate[:, usable:]
         return self.norm(pool_groups(kv[:, :usable], gate[:, :usable], self.ratio).to(x.dtype))
@@ -166,8 +177,8 @@ class Indexer(nn.Module):
         b, s, _ = x.shape
         q = self.wq_b(q_res).view(b, s, self.n_local, self.head_dim)
         q = fake_quant_fp4_pow2(apply_rope(q, positions, inv_freq), INDEX_BLOCK)
-        logits = torch.einsum("bshd,btd->bsht", q.float(), index_k.float()).relu() * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        logits = torch.einsum("bshd,btd->bsht", wide(q), wide(index_k)).relu() * self.head_dim ** -0.5
+        w = wide(self.weights_proj(x)) * self.n_heads ** -0.5
         return self.comm.all_reduce((logits * w.unsqueeze(-1)).sum(2))   # index heads are sharded: sum partials
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsflash.model_def.csa2 import layer_inv_freq, wide
 from dsflash.model_def.layers import Linear, Numerics, RMSNorm, hc_collapse
 
 
@@ -31,7 +32,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev token ids [B] -> fp32 logit bias [B, V]."""
-        return F.linear(self.embed(prev).float(), self.head.weight.float())
+        return F.linear(wide(self.embed(prev)), wide(self.head.weight))
 
 
 class ConfidenceHead(nn.Module):
@@ -42,8 +43,8 @@ class ConfidenceHead(nn.Module):
         self.proj = Linear(dim + rank, 1, numerics, None, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
-        feats = torch.cat([hidden.float(), prev_emb.float()], -1)
-        return F.linear(feats, self.proj.weight.float()).squeeze(-1)
+        feats = torch.cat([wide(hidden), wide(prev_emb)], -1)
+        return F.linear(feats, wide(self.proj.weight)).squeeze(-1)
 
 
 def add_stage_heads(stage: nn.Module, args, stage_id: int, numerics: Numerics, dtype: torch.dtype) -> None:
@@ -109,7 +110,6 @@ def draft_context(model, dstate: DraftState, captured: torch.Tensor, first_pos: 
 
 
 def _draft_inv(stage):
-    from dsflash.model_def.csa2 import layer_inv_freq
     return layer_inv_freq(stage.attn.args, stage.attn.layer, stage.attn.wkv.weight.device)
 
 
@@ -133,7 +133,7 @@ def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
         X, pre = stage(X, pre, lambda x, st=stage, r=ring: st.attn.draft_forward(x, r, valid, frames), None)
     last = model.mtp[-1]
     hidden = hc_collapse(X, pre)                                   # collapsed, un-normed: feeds the confidence head
-    base = F.linear(last.norm(hidden).float(), model.head.weight.float())
+    base = F.linear(wide(last.norm(hidden)), wide(model.head.weight))
     tokens, logits, prev = [], [], bonus.long()
     prevs = []
     for j in range(k):

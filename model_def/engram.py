@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def.layers import Linear, Numerics
+from dsflash.model_def.layers import Linear, LocalComm, Numerics
+from dsflash.model_def.mapping import split_rows
 from dsflash.model_def.names import TensorEntry
 
 DEAD = -1                   # compressed-id marker of a DEAD token (and of "before the sequence start") in history
@@ -247,12 +248,19 @@ def _table_rows(args, layer_id: int) -> int:
 class Engram(nn.Module):
     """Engram of model layer `layer_id`; parameters mirror `layers.{layer_id}.engram.*` of the checkpoint."""
 
-    def __init__(self, args, layer_id: int, numerics: Numerics, dtype: torch.dtype = torch.float32):
+    def __init__(self, args, layer_id: int, numerics: Numerics, dtype: torch.dtype = torch.float32,
+                 mapping=None, comm=None):
         super().__init__()
         self.layer_id = layer_id
         self.hc_mult, self.dim, self.eps = args.hc_mult, args.hidden_size, args.rms_norm_eps
         n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
-        self.embed = _EngramTable(_table_rows(args, layer_id), args.engram_head_dim)
+        # the tables (~100 GB each at full size) are row-sharded over TP: each rank looks up its own row range and
+        # the partial rows (zeros elsewhere) are summed across ranks, which is exact
+        rows = _table_rows(args, layer_id)
+        tp, tp_rank = (1, 0) if mapping is None else (mapping.tp_size, mapping.tp_rank)
+        self.row_start, row_stop = split_rows(rows, tp, tp_rank)
+        self.comm = comm or LocalComm()
+        self.embed = _EngramTable(row_stop - self.row_start, args.engram_head_dim)
         self.wkv = Linear(n_cols * args.engram_head_dim, (self.hc_mult + 1) * self.dim, numerics, quant="fp8",
                           dtype=dtype)
         self.q_weight = nn.Parameter(torch.empty(self.hc_mult, self.dim, dtype=dtype))
@@ -260,7 +268,10 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [B,S,n,D], row_ids [B,S,K] (engram_hash_ids), valid [B,S] bool (False -> gate 0) -> x updated."""
-        rows = F.embedding(row_ids, self.embed.weight).flatten(-2)                  # [B,S,K*hd], exact fp8 values
+        local = row_ids - self.row_start
+        here = (local >= 0) & (local < self.embed.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.embed.weight.shape[0] - 1), self.embed.weight)
+        rows = self.comm.all_reduce(rows.float() * here.unsqueeze(-1)).flatten(-2)  # [B,S,K*hd], exact fp8 values
         kv = self.wkv(rows.to(self.wkv.weight.dtype))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)          # keys first, then the value
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))
@@ -278,7 +289,7 @@ def tensor_entries(args, layer_id: int) -> list[TensorEntry]:
     d, hc = args.hidden_size, args.hc_mult
     return [
         TensorEntry(p + "embed.weight", (_table_rows(args, layer_id), args.engram_head_dim), "fp8_rows32", "embed",
-                    None),
+                    "rows"),
         TensorEntry(p + "wkv.weight", ((hc + 1) * d, n_cols * args.engram_head_dim), "fp8_block", "linear", None),
         TensorEntry(p + "q_weight", (hc, d), "bf16", "norm", None),
         TensorEntry(p + "k_weight", (hc, d), "bf16", "norm", None),

@@ -43,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Mapping", "split_range"]
+__all__ = ["Mapping", "split_range", "split_rows"]
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -59,6 +59,16 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
         raise ValueError(f"split_range: {total} is not divisible into {parts} equal parts")
     size = total // parts
     return index * size, (index + 1) * size
+
+
+def split_rows(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Uneven `[start, stop)` split for lookup tables: the first `total % parts` slices get one more row
+    (as `torch.tensor_split`); row ids stay global and each rank answers for its own range."""
+    if not 0 <= index < parts:
+        raise ValueError(f"split_rows: index {index} out of range for {parts} parts")
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
 
 
 def _unset(v: int | None) -> bool:

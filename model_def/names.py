@@ -18,7 +18,7 @@ ROLES = {
 }
 QUANTIZED_ROLES = ("fp8_block", "mxfp4", "fp8_rows32")
 INITS = ("linear", "embed", "norm", "hc_fn", "hc_base", "hc_scale", "sink", "bias", "ape", "tid2eid", "small")
-SHARDS = (None, "col", "row", "expert", "head")
+SHARDS = (None, "col", "row", "rows", "expert", "head")
 
 
 @dataclass(frozen=True)

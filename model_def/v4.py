@@ -109,6 +109,11 @@ def tensor_table(args: V4Args) -> list[TensorEntry]:
 
 
 # -- deploy-mode quantizers ------------------------------------------------------------------------------------------
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """x in its accumulation dtype: fp32, or fp64 for a float64 model."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     """Round to BF16 and back: the reference's activations are BF16 wherever it quantizes."""
     return x.to(torch.bfloat16).to(x.dtype)
@@ -179,12 +184,12 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
     def init_state(self, st: dict, key: str, B: int, dtype: torch.dtype) -> None:
-        r, w = self.ratio, self.wkv.out_features
-        st[key + ".pend_kv"] = torch.zeros(B, r, w)
-        st[key + ".pend_sc"] = torch.full((B, r, w), float("-inf"))
-        if self.overlap:
-            st[key + ".prev_kv"] = torch.zeros(B, r, self.dim)
-            st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"))
+        r, w, acc = self.ratio, self.wkv.out_features, torch.promote_types(dtype, torch.float32)
+        st[key + ".pend_kv"] = torch.zeros(B, r, w, dtype=acc)  # rows of the unfinished group
+        st[key + ".pend_sc"] = torch.full((B, r, w), float("-inf"), dtype=acc)
+        if self.overlap:  # first halves of the last complete group (zero / -inf before the first)
+            st[key + ".prev_kv"] = torch.zeros(B, r, self.dim, dtype=acc)
+            st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"), dtype=acc)
         st[key + ".cache"] = torch.zeros(B, 0, self.dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, pos0: int, st: dict, key: str, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -192,8 +197,8 @@ class Compressor(nn.Module):
         B, S, _ = x.shape
         r, d = self.ratio, self.dim
         pos = pos0 + torch.arange(S)
-        kv = self.wkv(x).float()
-        sc = self.wgate(x).float() + self.ape.float()[pos % r]
+        kv = _acc(self.wkv(x))
+        sc = _acc(self.wgate(x)) + self.ape[pos % r]
         n_pend = pos0 % r  # rows of the unfinished group already seen
         kv = torch.cat([st[key + ".pend_kv"][:, :n_pend], kv], 1)
         sc = torch.cat([st[key + ".pend_sc"][:, :n_pend], sc], 1)
@@ -246,8 +251,8 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos.expand(B, S), inv_freq)
         if self.numerics.deploy:
             q = _index_quant(q)
-        w = self.weights_proj(x).float() * self.n_heads_total ** -0.5  # [B,S,h]
-        score = torch.einsum("bshd,btd->bsht", q.float(), k.float()).relu() * self.head_dim ** -0.5
+        w = _acc(self.weights_proj(x)) * self.n_heads_total ** -0.5  # [B,S,h]
+        score = torch.einsum("bshd,btd->bsht", _acc(q), _acc(k)).relu() * self.head_dim ** -0.5
         score = self.comm.all_reduce((score * w.unsqueeze(-1)).sum(2))  # [B,S,T], partial over local heads
         visible = (torch.arange(T) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
         score = score.masked_fill(~visible, float("-inf"))
@@ -348,8 +353,8 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(args.n_routed_experts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = sqrtsoftplus(F.linear(x.float(), self.weight.float()))  # [N,E]
-        idx = self.tid2eid[ids] if self.hash else (s + self.bias.float()).topk(self.topk, -1).indices
+        s = sqrtsoftplus(F.linear(_acc(x), self.weight.to(_acc(x).dtype)))  # [N,E]
+        idx = self.tid2eid[ids] if self.hash else (s + self.bias).topk(self.topk, -1).indices
         w = s.gather(1, idx)
         return w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale, idx  # 1e-20: as transformers
 
@@ -376,15 +381,15 @@ class MoE(nn.Module):
         shape = x.shape
         x, ids = x.reshape(-1, shape[-1]), ids.reshape(-1)
         w, idx = self.gate(x, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32)
+        y = torch.zeros_like(_acc(x))
         for e in idx.unique().tolist():
             if self.experts[e] is None:
                 continue
             tok, k = torch.where(idx == e)
-            y.index_add_(0, tok, self.experts[e](x[tok], w[tok, k]).float())
+            y.index_add_(0, tok, self.experts[e](x[tok], w[tok, k]).to(y.dtype))
         if self.tp > 1:
             y = self.comm.all_reduce(y)
-        y = y + self.shared_experts(x).float()
+        y = y + self.shared_experts(x).to(y.dtype)
         return y.to(x.dtype).view(shape)
 
 
@@ -420,9 +425,9 @@ class Block(nn.Module):
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final stream collapse: pre = sigmoid(scale·(x·fnᵀ)·rsqrt(mean x²) + base) + eps; Σ pre_j X_j. [..,n,D]->[..,D]"""
-    xf = X.flatten(-2).float()
+    xf = _acc(X.flatten(-2))
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid((xf @ fn.float().t()) * r * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid((xf @ fn.to(xf.dtype).t()) * r * scale + base) + hc_eps
     return hc_collapse(X, pre)
 
 

@@ -6,6 +6,7 @@ MTP tensors have no transformers counterpart and are skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -94,7 +95,30 @@ def build_hf_model(args: V4Args, ours: dict[str, torch.Tensor]):
     return model
 
 
+@contextlib.contextmanager
+def stable_topk_ties():
+    """Make `Tensor.topk` break exact ties toward the lower index, as our indexer does.
+
+    transformers' indexer picks its top-k with `Tensor.topk`, whose order among exactly equal scores is
+    implementation-defined. Exact ties are common in tiny models: the score Σ_h w_h·ReLU(q_h·k_t) is exactly 0
+    whenever every index head's ReLU is 0 (1 in 16 entries with 4 heads). Only `Tensor.topk` (the indexer) is
+    patched; the router calls `torch.topk` on continuous scores and is left alone."""
+    orig = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        assert largest
+        idx = self.argsort(dim=dim, descending=True, stable=True).narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = orig
+
+
 @torch.no_grad()
 def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Full forward without cache (transformers' stateless path) -> [B,S,V] fp32."""
-    return model(input_ids=input_ids, use_cache=False).logits.float()
+    """Full forward without cache (transformers' stateless path) -> [B,S,V] fp32, indexer ties broken stably."""
+    with stable_topk_ties():
+        return model(input_ids=input_ids, use_cache=False).logits.float()

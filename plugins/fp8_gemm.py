@@ -1,0 +1,163 @@
+"""Group-32 FP8 dense GEMM (V4.1 dense linears) and the BF16-cache alternative.
+
+y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ) · sa[m, kb] · sb[n/32, kb], fp32 promotion every 32 K, output BF16.
+A: e4m3 [M, K] with 1×32 pow2 scales (fp32 or e8m0), W: e4m3 [N, K] with 32×32 e8m0 block scales.
+The kernel is written over a generic (P, Q) pair so one body serves both orientations: normal (P = A, Q = W) for
+prefill and swap-AB (P = W, Q = A, output written transposed) for decode, where the weight rows fill the MMA's
+M = 64/128 side and the few tokens the N = 16..64 side. Operand tiles come by TMA (host tensor descriptors: no
+per-element pointers in registers); split-K writes fp32 partials that a second kernel sums in a fixed order.
+Imports Triton: load this module lazily.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dsflash.plugins import tuning
+from dsflash.plugins.act_quant import act_quant_dequant
+from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
+    E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
+from dsflash.plugins.tuning import GemmConfig
+
+
+@triton.jit
+def _fp8_gemm_g32_kernel(
+    p_desc, q_desc, ps_ptr, qs_ptr, out_ptr,
+    P, Q, K,
+    stride_ps, stride_qs, stride_op, stride_oq, stride_os,
+    P_SDIV: tl.constexpr, Q_SDIV: tl.constexpr, PS_E8M0: tl.constexpr, QS_E8M0: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_P: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr,
+):
+    """acc[p, q] = Σ_kb (P_q[p, kb]·Q_q[q, kb]ᵀ)·ps[p/P_SDIV, kb]·qs[q/Q_SDIV, kb]; operand tiles arrive by TMA
+    (out-of-range rows zero-filled), one 32-wide K block per pipelined iteration."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_p = tl.cdiv(P, BLOCK_P)
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    # grouped tile order: GROUP_P row-tiles share their column tiles in L2
+    in_group = GROUP_P * num_q
+    first_p = (pid // in_group) * GROUP_P
+    gsize = tl.minimum(num_p - first_p, GROUP_P)
+    pid_p = first_p + (pid % in_group) % gsize
+    pid_q = (pid % in_group) // gsize
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    mask_p = offs_p < P
+    mask_q = offs_q < Q
+    ps_base = ps_ptr + (offs_p // P_SDIV) * stride_ps
+    qs_base = qs_ptr + (offs_q // Q_SDIV) * stride_qs
+
+    n_kb = K // 32
+    per = tl.cdiv(n_kb, SPLIT_K)
+    kb0 = pid_k * per
+    kb1 = tl.minimum(kb0 + per, n_kb)
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        a = p_desc.load([pid_p * BLOCK_P, kb * 32])        # [BP, 32] e4m3
+        b = q_desc.load([pid_q * BLOCK_Q, kb * 32])        # [BQ, 32] e4m3
+        sp = tl.load(ps_base + kb, mask=mask_p, other=0)
+        sq = tl.load(qs_base + kb, mask=mask_q, other=0)
+        if PS_E8M0:
+            sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if QS_E8M0:
+            sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if DEQUANT_BF16:
+            # e4m3·2^e is exact in BF16: the same products, accumulated in fp32 on BF16 tensor cores
+            a16 = (a.to(tl.float32) * sp[:, None]).to(tl.bfloat16)
+            b16 = (b.to(tl.float32) * sq[:, None]).to(tl.bfloat16)
+            acc = tl.dot(a16, b16.T, acc)
+        else:
+            acc += tl.dot(a, b.T) * (sp[:, None] * sq[None, :])   # fp32 promotion every 32 K
+    out = (out_ptr + pid_k * stride_os + offs_p.to(tl.int64)[:, None] * stride_op
+           + offs_q.to(tl.int64)[None, :] * stride_oq)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    if s.dtype == torch.float32:
+        return s, False
+    assert s.dtype in (E8M0, torch.uint8), f"scales must be fp32 or e8m0, got {s.dtype}"
+    return s.view(torch.uint8), True
+
+
+def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+             config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Group-32 FP8 GEMM -> BF16 [M, N].
+
+    a_q e4m3 [M, K] (row stride free, K contiguous), a_s [M, K/32] fp32|e8m0 (K/32 contiguous),
+    w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] e8m0|fp32 contiguous; K % 32 == 0.
+    config: tiles (default: tuning.get_config(N, K, M)); out: optional BF16 [M, N] contiguous.
+    """
+    assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
+    assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
+    m, k = a_q.shape
+    n, kw = w_q.shape
+    assert k == kw and k % QBLOCK == 0, f"K mismatch or not a multiple of 32: A {tuple(a_q.shape)}, W {tuple(w_q.shape)}"
+    assert a_q.stride(1) == 1 and w_q.is_contiguous(), "A needs contiguous K, W must be contiguous"
+    assert a_q.stride(0) % 16 == 0 and a_q.data_ptr() % 16 == 0 and w_q.data_ptr() % 16 == 0, \
+        "TMA needs 16-byte aligned bases and row strides"
+    assert tuple(a_s.shape) == (m, k // QBLOCK) and a_s.stride(1) == 1, (tuple(a_s.shape), m, k)
+    assert tuple(w_s.shape) == (-(-n // QBLOCK), k // QBLOCK) and w_s.is_contiguous(), (tuple(w_s.shape), n, k)
+    assert a_q.device == w_q.device == a_s.device == w_s.device
+    cfg = config or tuning.get_config(n, k, m)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
+    if m == 0 or n == 0:
+        return out
+    sa, sa_e8 = _scale_arg(a_s)
+    sb, sb_e8 = _scale_arg(w_s)
+    if cfg.swap_ab:   # P = W rows (n), Q = tokens (m); out[m, n] = acc[p=n, q=m]
+        P, Q, pp, qq, ps, qs = n, m, w_q, a_q, sb, sa
+        p_div, q_div, ps_e8, qs_e8 = QBLOCK, 1, sb_e8, sa_e8
+        stride_op, stride_oq = 1, n
+    else:
+        P, Q, pp, qq, ps, qs = m, n, a_q, w_q, sa, sb
+        p_div, q_div, ps_e8, qs_e8 = 1, QBLOCK, sa_e8, sb_e8
+        stride_op, stride_oq = n, 1
+    split = cfg.split_k
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q), split)
+    p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK])
+    q_desc = TensorDescriptor(qq, [Q, k], [qq.stride(0), 1], [cfg.block_q, QBLOCK])
+    _fp8_gemm_g32_kernel[grid](
+        p_desc, q_desc, ps, qs, dst,
+        P, Q, k,
+        ps.stride(0), qs.stride(0), stride_op, stride_oq, m * n,
+        P_SDIV=p_div, Q_SDIV=q_div, PS_E8M0=ps_e8, QS_E8M0=qs_e8,
+        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, SPLIT_K=split, GROUP_P=cfg.group_p,
+        NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, num_warps=cfg.num_warps)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT_K=split, BLOCK=block,
+                                                            num_warps=4)
+    return out
+
+
+def bf16_cache_gemm(x: torch.Tensor, w_bf16: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                    eps: float = 0.0) -> torch.Tensor:
+    """BF16-cache path: x [M, K] bf16 (optionally RMSNorm'd first) through the FP8 1×32 quantize step, dequantized
+    to BF16 in the same kernel, times the cached BF16 weight [N, K] on BF16 tensor cores (cuBLAS) -> [M, N] bf16.
+    Numerics equal deploy mode (the dequantized activation and weight are exact in BF16; fp32 accumulation)."""
+    assert x.dtype == torch.bfloat16 and w_bf16.dtype == torch.bfloat16, (x.dtype, w_bf16.dtype)
+    assert x.shape[-1] == w_bf16.shape[1], (tuple(x.shape), tuple(w_bf16.shape))
+    return torch.matmul(act_quant_dequant(x, norm_weight, eps), w_bf16.t())
+
+
+def bf16_cache_weight(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """The cached BF16 copy of an FP8 32×32-block weight (exact)."""
+    return dequant_weight_ref(w_q, w_s, torch.bfloat16)

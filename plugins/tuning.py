@@ -1,0 +1,154 @@
+"""Tile / split-K configurations of the group-32 FP8 GEMM, keyed by (N, K, M-bucket), with a guaranteed default.
+
+Config heuristics live here, apart from the kernel body (style-anchors §3 practice 10-11). `build` times the
+`candidates()` of each shape, records the winner (and whether the FP8 or the BF16-cache path won) with
+`set_table()`-compatible entries in the engine's tuned.json; `serve` only looks up. A shape missing from a loaded
+table falls back to `default_config()` and says so once in the log. Triton-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+NUM_SMS = 132  # H200
+PATHS = ("fp8", "bf16cache")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of `_fp8_gemm_g32_kernel`. P is the operand on the tile's rows: A (tokens) normally, W with swap_ab.
+
+    block_p/block_q: tile rows/cols; one 32-wide K block (one fp32 promotion) per pipelined loop iteration,
+    num_stages of them in flight; split_k: K slices reduced in fp32 by a second kernel; dequant_bf16: dequantize both
+    operands to BF16 in registers and accumulate on BF16 tensor cores instead of FP8 MMA + per-32 promotion (same
+    numerics: every product is exact, accumulation fp32).
+    """
+    block_p: int = 128
+    block_q: int = 128
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 4
+    swap_ab: bool = False
+    dequant_bf16: bool = False
+    group_p: int = 8
+
+    def __post_init__(self) -> None:
+        for f in ("block_p", "block_q"):
+            v = getattr(self, f)
+            assert v >= 16 and v & (v - 1) == 0, f"{f}={v} must be a power of two >= 16"
+        assert self.block_p <= 256 and self.block_q <= 256, "TMA boxes are at most 256 rows"
+        assert self.split_k >= 1 and self.num_stages >= 1, self
+        assert self.num_warps in (4, 8), self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    def tag(self) -> str:
+        return (f"{'T' if self.swap_ab else 'N'}{self.block_p}x{self.block_q}s{self.split_k}"
+                f"w{self.num_warps}st{self.num_stages}{'_dq' if self.dequant_bf16 else ''}")
+
+
+def m_bucket(m: int) -> int:
+    """Token-count bucket: the next power of two, capped at 4096 (all larger M share one bucket)."""
+    b = 1
+    while b < m and b < 4096:
+        b *= 2
+    return b
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: int = 16) -> int:
+    """Split K until about `target` programs run, keeping >= 2 loop iterations per split."""
+    if tiles >= target // 2:
+        return 1
+    return max(1, min(_cdiv(target, tiles), max(1, k_iters // 2), max_split))
+
+
+def default_config(n: int, k: int, m: int) -> GemmConfig:
+    """A valid config for any shape (K % 32 == 0): swap-AB GEMV-like tiles for M <= 64, 128×128 otherwise."""
+    kb = _cdiv(k, 32)
+    if m <= 64:
+        bq = max(16, _next_pow2(m))
+        stages = 8 if bq <= 16 else (6 if bq <= 32 else 4)
+        return GemmConfig(128, bq, _split_for(_cdiv(n, 128), kb), 4, stages, swap_ab=True)
+    return GemmConfig(128, 128, _split_for(_cdiv(m, 128) * _cdiv(n, 128), kb, target=NUM_SMS), 8, 4)
+
+
+def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
+    """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first."""
+    kb = _cdiv(k, 32)
+    out = [default_config(n, k, m)]
+    if m <= 64:
+        bq = max(16, _next_pow2(m))
+        for bp, stages, warps, target in ((128, 12, 4, 2 * NUM_SMS), (64, 10, 4, 2 * NUM_SMS),
+                                          (128, 8, 4, 4 * NUM_SMS), (256, 6, 8, 2 * NUM_SMS)):
+            if bq >= 64 and stages > 6:
+                stages = 6
+            out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), kb, target), warps, stages, swap_ab=True))
+    else:
+        for cfg in (GemmConfig(128, 128, 1, 8, 6), GemmConfig(128, 64, 1, 4, 6),
+                    GemmConfig(128, 128, 1, 8, 4, dequant_bf16=True), GemmConfig(128, 256, 1, 8, 4, dequant_bf16=True)):
+            split = _split_for(_cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q), kb, target=NUM_SMS)
+            out.append(dataclasses.replace(cfg, split_k=split))
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+# -- the table build writes and serve reads --------------------------------------------------------------------------
+_table: dict[tuple[int, int, int], tuple[str, GemmConfig]] | None = None
+_warned: set[tuple[int, int, int]] = set()
+
+
+def key_str(n: int, k: int, bucket: int) -> str:
+    return f"{n}x{k}@{bucket}"
+
+
+def set_table(entries: dict | None) -> None:
+    """Install tuned entries {"NxK@bucket": {"path": "fp8"|"bf16cache", "config": {...}}} (None: no table)."""
+    global _table
+    _warned.clear()
+    if entries is None:
+        _table = None
+        return
+    t = {}
+    for key, val in entries.items():
+        nk, b = key.split("@")
+        n, k = (int(v) for v in nk.split("x"))
+        path = val.get("path", "fp8")
+        assert path in PATHS, path
+        t[(n, k, int(b))] = (path, GemmConfig.from_dict(val.get("config", {})))
+    _table = t
+
+
+def lookup(n: int, k: int, m: int) -> tuple[str, GemmConfig]:
+    """(path, config) for a GEMM of M tokens; falls back to ("fp8", default_config) and logs that once per key."""
+    key = (n, k, m_bucket(m))
+    if _table is not None and key in _table:
+        return _table[key]
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("fp8 GEMM %s: no tuned entry%s, using the default config %s", key_str(*key),
+                    "" if _table is not None else " (no table loaded)", default_config(n, k, m).tag())
+    return "fp8", default_config(n, k, m)
+
+
+def get_config(n: int, k: int, m: int) -> GemmConfig:
+    return lookup(n, k, m)[1]
