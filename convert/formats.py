@@ -26,7 +26,6 @@ it could not reproduce `model_def/quant.py` bit for bit where quantization is ne
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -173,23 +172,10 @@ def fp8_block_to_bf16(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch
 # lane form 4 little-endian int32 words (word w = values 8w..8w+7); nibble p (bits 4p..4p+3) of a word holds value
 # 8w + MARLIN_NIBBLE_ORDER[p], so `(word >> 4i) & 0x000F000F` yields the BF16x2 register pair (2i, 2i+1).
 MARLIN_NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-@functools.lru_cache(maxsize=None)
-def _marlin_index() -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat source offset n·32 + k inside a tile for each (lane, word, nibble) slot; scale slot -> n)."""
-    src = torch.empty(32, 4, 8, dtype=torch.long)
-    for lane in range(32):
-        g, q = divmod(lane, 4)
-        koff = (2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9)
-        for w in range(4):
-            for p in range(8):
-                v = 8 * w + MARLIN_NIBBLE_ORDER[p]
-                ks, j, r = v // 16, (v // 4) % 4, v % 4
-                src[lane, w, p] = (8 * j + g) * 32 + 16 * ks + koff[r]
-    # scale slot g·4 + j holds the scale of row n = 8j + g, so lane group g reads 4 consecutive bytes
-    scale_n = torch.tensor([8 * j + g for g in range(8) for j in range(4)], dtype=torch.long)
-    return src.reshape(-1), scale_n
+# The order above as one permutation: n = 32·nt + 16·jh + 8·jl + g (n8 block j = 2·jh + jl), k = 32·kt + 16·ks + 8·h
+# + 2·q + e (b0..b3 = (h, e) = 00, 01, 10, 11); lane = 4·g + q, word = 2·ks + jh, nibble = 4·e + 2·jl + h.
+_MARLIN_PERM = (0, 4, 3, 7, 5, 1, 8, 2, 6)     # [nt, jh, jl, g, kt, ks, h, q, e] -> [nt, kt, g, q, ks, jh, e, jl, h]
+_MARLIN_INV = (0, 5, 7, 2, 1, 4, 8, 3, 6)
 
 
 def marlin_pack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,12 +185,11 @@ def marlin_pack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.
         raise FormatError(f"MXFP4 weight [{n}, {k}] is not a whole number of {MARLIN_TILE}x{MARLIN_TILE} tiles")
     if tuple(scale.shape) != (n, k // MX_GROUP):
         raise FormatError(f"MXFP4 scale shape {list(scale.shape)} does not match weight [{n}, {k}]")
-    src, scale_n = _marlin_index()
     nt, kt = n // MARLIN_TILE, k // MARLIN_TILE
-    codes = unpack_fp4(packed).reshape(nt, 32, kt, 32).permute(0, 2, 1, 3).reshape(nt, kt, 1024)
-    slots = codes.index_select(2, src).reshape(nt, kt, 32 * 4 * 4, 2)               # [.., byte, (low, high) nibble]
-    words = (slots[..., 0] | (slots[..., 1] << 4)).contiguous().view(torch.int32)  # [nt, kt, 128]
-    s = _as_bytes(scale).reshape(nt, 32, kt).permute(0, 2, 1).index_select(2, scale_n)
+    codes = unpack_fp4(packed).reshape(nt, 2, 2, 8, kt, 2, 2, 4, 2).permute(_MARLIN_PERM).contiguous()
+    pairs = codes.reshape(nt, kt, 512, 2)                                          # (low, high) nibble of each byte
+    words = (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int32)               # [nt, kt, 128]
+    s = _as_bytes(scale).reshape(nt, 4, 8, kt).permute(0, 3, 2, 1).reshape(nt, kt, 32)  # slot 4·g + j: row 8j + g
     return words, s.contiguous().view(E8M0)
 
 
@@ -214,10 +199,8 @@ def marlin_unpack_mxfp4(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch
     if nw != 128 or tuple(scale.shape) != (nt, kt, 32):
         raise FormatError(f"Marlin tensors {list(words.shape)} / {list(scale.shape)} are not [nt, kt, 128] / "
                           f"[nt, kt, 32]")
-    src, scale_n = _marlin_index()
     b = words.contiguous().view(torch.uint8)                                       # [nt, kt, 512]
-    nib = torch.stack([b & 0xF, b >> 4], -1).reshape(nt, kt, 1024)
-    codes = torch.empty(nt, kt, 1024, dtype=torch.uint8).index_copy_(2, src, nib)
-    codes = codes.reshape(nt, kt, 32, 32).permute(0, 2, 1, 3).reshape(nt * 32, kt * 32)
-    s = torch.empty(nt, kt, 32, dtype=torch.uint8).index_copy_(2, scale_n, _as_bytes(scale))
-    return pack_fp4(codes), s.permute(0, 2, 1).reshape(nt * 32, kt).contiguous().view(E8M0)
+    nib = torch.stack([b & 0xF, b >> 4], -1).reshape(nt, kt, 8, 4, 2, 2, 2, 2, 2)
+    codes = nib.permute(_MARLIN_INV).reshape(nt * 32, kt * 32)
+    s = _as_bytes(scale).reshape(nt, kt, 8, 4).permute(0, 3, 2, 1).reshape(nt * 32, kt)
+    return pack_fp4(codes), s.contiguous().view(E8M0)

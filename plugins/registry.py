@@ -1,0 +1,201 @@
+"""The plugin ops as `torch.library` custom ops (namespace `dsflash`), each with a fake (meta) implementation.
+
+CUDA tensors run the Triton kernels (their modules are imported on first use, so importing this file needs no
+Triton); CPU tensors run the plain-PyTorch `*_ref` functions. Ops are functional (fresh outputs, no aliasing), allocate
+only their outputs and never sync with the host, so they can be captured in CUDA graphs and traced by torch.compile.
+Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.registry`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dsflash.plugins import refs
+
+QBLOCK = refs.QBLOCK
+NS = 4
+
+
+def _scale_dtype(e8m0: bool) -> torch.dtype:
+    return refs.E8M0 if e8m0 else torch.float32
+
+
+# -- activation quantization ------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsflash::act_quant", mutates_args=())
+def act_quant(x: Tensor, scale_e8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (e4m3 [..., K], scales [..., K/32] fp32 | e8m0)."""
+    fmt = "e8m0" if scale_e8m0 else "fp32"
+    if x.is_cuda:
+        from dsflash.plugins.act_quant import act_quant as k
+        return k(x, fmt)
+    return refs.act_quant_ref(x, fmt)
+
+
+@act_quant.register_fake
+def _(x, scale_e8m0=False):
+    return (x.new_empty(x.shape, dtype=refs.E4M3),
+            x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
+
+
+@torch.library.custom_op("dsflash::rmsnorm_act_quant", mutates_args=())
+def rmsnorm_act_quant(x: Tensor, weight: Tensor, eps: float, scale_e8m0: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """RMSNorm -> x.dtype -> FP8 1×32: (y [..., K], e4m3 [..., K], scales [..., K/32])."""
+    fmt = "e8m0" if scale_e8m0 else "fp32"
+    if x.is_cuda:
+        from dsflash.plugins.act_quant import rmsnorm_act_quant as k
+        return k(x, weight, eps, fmt)
+    return refs.rmsnorm_act_quant_ref(x, weight, eps, fmt)
+
+
+@rmsnorm_act_quant.register_fake
+def _(x, weight, eps, scale_e8m0=False):
+    return (torch.empty_like(x), x.new_empty(x.shape, dtype=refs.E4M3),
+            x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
+
+
+@torch.library.custom_op("dsflash::act_quant_dequant", mutates_args=())
+def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0) -> Tensor:
+    """(RMSNorm ->) FP8 1×32 quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
+    if x.is_cuda:
+        from dsflash.plugins.act_quant import act_quant_dequant as k
+        return k(x, weight, eps)
+    return refs.act_quant_dequant_ref(x, weight, eps)
+
+
+@act_quant_dequant.register_fake
+def _(x, weight=None, eps=0.0):
+    return torch.empty_like(x)
+
+
+# -- GEMMs ------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsflash::fp8_gemm", mutates_args=())
+def fp8_gemm(a_q: Tensor, a_s: Tensor, w_q: Tensor, w_s: Tensor) -> Tensor:
+    """Group-32 FP8 GEMM: e4m3 [M, K] (1×32 scales) × e4m3 [N, K] (32×32 e8m0) -> bf16 [M, N]; tiles from tuning."""
+    if a_q.is_cuda:
+        from dsflash.plugins.fp8_gemm import fp8_gemm as k
+        return k(a_q, a_s, w_q, w_s)
+    return refs.fp8_gemm_ref(a_q, a_s, w_q, w_s)
+
+
+@fp8_gemm.register_fake
+def _(a_q, a_s, w_q, w_s):
+    return a_q.new_empty((a_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsflash::bf16_cache_gemm", mutates_args=())
+def bf16_cache_gemm(x: Tensor, w_bf16: Tensor) -> Tensor:
+    """x [M, K] bf16 -> FP8 1×32 quantize/dequantize -> @ w_bf16ᵀ (BF16 tensor cores) -> bf16 [M, N]."""
+    if x.is_cuda:
+        from dsflash.plugins.fp8_gemm import bf16_cache_gemm as k
+        return k(x, w_bf16)
+    return refs.bf16_cache_gemm_ref(x, w_bf16)
+
+
+@bf16_cache_gemm.register_fake
+def _(x, w_bf16):
+    return x.new_empty((*x.shape[:-1], w_bf16.shape[0]), dtype=torch.bfloat16)
+
+
+# -- mHC --------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsflash::hc_mix", mutates_args=())
+def hc_mix(xflat: Tensor, fn: Tensor, fn_split: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """mHC coefficients (pre, post, comb) in fp32 from xflat [T, 4·D]. fn [24, 4·D] fp32 (reference path);
+    fn_split = hc_split_weight(fn) [3, 32, 4·D] bf16 (kernel path)."""
+    if xflat.is_cuda:
+        from dsflash.plugins.mhc import hc_mix as k
+        return k(xflat, fn_split, base, scale, iters, hc_eps, norm_eps)
+    return refs.hc_mix_ref(xflat, fn, base, scale, NS, iters, hc_eps, norm_eps)
+
+
+@hc_mix.register_fake
+def _(xflat, fn, fn_split, base, scale, iters, hc_eps, norm_eps):
+    t = xflat.shape[0]
+    f = torch.float32
+    return xflat.new_empty((t, NS), dtype=f), xflat.new_empty((t, NS), dtype=f), xflat.new_empty((t, NS, NS), dtype=f)
+
+
+@torch.library.custom_op("dsflash::hc_pre", mutates_args=())
+def hc_pre(X: Tensor, pre: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """Collapse Σ_j pre_j·X_j -> RMSNorm -> bf16 [T, D]."""
+    if X.is_cuda:
+        from dsflash.plugins.mhc import hc_pre as k
+        return k(X, pre, norm_weight, eps)
+    return refs.hc_pre_ref(X, pre, norm_weight, eps)
+
+
+@hc_pre.register_fake
+def _(X, pre, norm_weight, eps):
+    return X.new_empty((X.shape[0], X.shape[2]))
+
+
+@torch.library.custom_op("dsflash::hc_pre_quant", mutates_args=())
+def hc_pre_quant(X: Tensor, pre: Tensor, norm_weight: Tensor, eps: float, scale_e8m0: bool = False
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Collapse -> RMSNorm -> (y bf16 [T, D], e4m3 [T, D], scales [T, D/32])."""
+    fmt = "e8m0" if scale_e8m0 else "fp32"
+    if X.is_cuda:
+        from dsflash.plugins.mhc import hc_pre as k
+        return k(X, pre, norm_weight, eps, True, fmt)
+    return refs.hc_pre_ref(X, pre, norm_weight, eps, True, fmt)
+
+
+@hc_pre_quant.register_fake
+def _(X, pre, norm_weight, eps, scale_e8m0=False):
+    t, _, d = X.shape
+    return (X.new_empty((t, d)), X.new_empty((t, d), dtype=refs.E4M3),
+            X.new_empty((t, d // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
+
+
+@torch.library.custom_op("dsflash::hc_post", mutates_args=())
+def hc_post(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """X'_k = post_k·f(x) + Σ_j comb[j,k]·X_j -> [T, 4, D] in X.dtype."""
+    if X.is_cuda:
+        from dsflash.plugins.mhc import hc_post as k
+        return k(X, fx, post, comb)
+    return refs.hc_post_ref(X, fx, post, comb)
+
+
+@hc_post.register_fake
+def _(X, fx, post, comb):
+    return torch.empty_like(X)
+
+
+@torch.library.custom_op("dsflash::hc_post_pre", mutates_args=())
+def hc_post_pre(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor, next_pre: Tensor, norm_weight: Tensor,
+                eps: float) -> tuple[Tensor, Tensor]:
+    """Expand fused with the next site's collapse (V4.1 lagged pre) + RMSNorm: (X' [T, 4, D], y [T, D])."""
+    if X.is_cuda:
+        from dsflash.plugins.mhc import hc_post as k
+        return k(X, fx, post, comb, next_pre, norm_weight, eps)
+    return refs.hc_post_ref(X, fx, post, comb, next_pre, norm_weight, eps)
+
+
+@hc_post_pre.register_fake
+def _(X, fx, post, comb, next_pre, norm_weight, eps):
+    return torch.empty_like(X), X.new_empty((X.shape[0], X.shape[2]))
+
+
+@torch.library.custom_op("dsflash::hc_post_pre_quant", mutates_args=())
+def hc_post_pre_quant(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor, next_pre: Tensor, norm_weight: Tensor,
+                      eps: float, scale_e8m0: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Expand + next collapse + RMSNorm + FP8: (X' [T, 4, D], y [T, D], e4m3 [T, D], scales [T, D/32])."""
+    fmt = "e8m0" if scale_e8m0 else "fp32"
+    if X.is_cuda:
+        from dsflash.plugins.mhc import hc_post as k
+        return k(X, fx, post, comb, next_pre, norm_weight, eps, True, fmt)
+    return refs.hc_post_ref(X, fx, post, comb, next_pre, norm_weight, eps, True, fmt)
+
+
+@hc_post_pre_quant.register_fake
+def _(X, fx, post, comb, next_pre, norm_weight, eps, scale_e8m0=False):
+    t, _, d = X.shape
+    return (torch.empty_like(X), X.new_empty((t, d)), X.new_empty((t, d), dtype=refs.E4M3),
+            X.new_empty((t, d // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
+
+
+OPS = ("act_quant", "rmsnorm_act_quant", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "hc_mix", "hc_pre",
+       "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant")
