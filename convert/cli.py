@@ -5,6 +5,8 @@ import argparse
 import re
 import sys
 
+import torch
+
 from dsflash.convert.layouts import EXPERT_DTYPES, LAYOUTS
 from dsflash.convert.writer import DEFAULT_SHARD_BYTES, convert
 
@@ -35,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this model family (v41 = DeepSeek-V4.1-Flash, v4 = DeepSeek-V4-Flash)")
     p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_BYTES,
                    help="largest output shard, e.g. 5GB (default) or 512MiB")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the format math (default: torch's default; 1 is fastest on a "
+                        "busy host, where multi-threaded small ops spend their time in barriers)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -49,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsflash convert: error: unknown expert dtype {a.expert_dtype!r}; expected one of: "
               f"{', '.join(EXPERT_DTYPES)}", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     try:
+        if a.threads:
+            torch.set_num_threads(a.threads)
         res = convert(a.hf, a.out, a.layout, a.expert_dtype, a.family, a.max_shard_size, progress=not a.no_progress,
                       log=lambda msg: print(msg, file=sys.stderr))
     except (ValueError, OSError) as e:  # ConvertError, CheckpointError, ConfigError, FormatError, I/O
         print(f"dsflash convert: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        torch.set_num_threads(threads)
     reused = f", {res.shards_reused} reused" if res.shards_reused else ""
     print(f"wrote {res.out} ({a.layout}, experts {a.expert_dtype}): {res.tensors} tensors, {res.bytes / 1e9:.3f} GB "
           f"in {res.shards_written + res.shards_reused} shards{reused}")

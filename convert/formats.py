@@ -26,6 +26,7 @@ it could not reproduce `model_def/quant.py` bit for bit where quantization is ne
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -178,6 +179,14 @@ _MARLIN_PERM = (0, 4, 3, 7, 5, 1, 8, 2, 6)     # [nt, jh, jl, g, kt, ks, h, q, e
 _MARLIN_INV = (0, 5, 7, 2, 1, 4, 8, 3, 6)
 
 
+@functools.lru_cache(maxsize=4)
+def _marlin_gather(nt: int, kt: int) -> torch.Tensor:
+    """Flat source index of every packed nibble (a 1-D gather is ~10x faster than the 9-D permuted copy on CPU;
+    int32, 4 bytes per weight element, cached for the few expert shapes of a model)."""
+    src = torch.arange(nt * kt * 1024, dtype=torch.int32).reshape(nt, 2, 2, 8, kt, 2, 2, 4, 2)
+    return src.permute(_MARLIN_PERM).reshape(-1)
+
+
 def marlin_pack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 (int8 [n, k/2], e8m0 [n, k/32]) -> (int32 [n/32, k/32, 128], e8m0 [n/32, k/32, 32]) Marlin-style."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -186,7 +195,7 @@ def marlin_pack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.
     if tuple(scale.shape) != (n, k // MX_GROUP):
         raise FormatError(f"MXFP4 scale shape {list(scale.shape)} does not match weight [{n}, {k}]")
     nt, kt = n // MARLIN_TILE, k // MARLIN_TILE
-    codes = unpack_fp4(packed).reshape(nt, 2, 2, 8, kt, 2, 2, 4, 2).permute(_MARLIN_PERM).contiguous()
+    codes = unpack_fp4(packed).reshape(-1).index_select(0, _marlin_gather(nt, kt))
     pairs = codes.reshape(nt, kt, 512, 2)                                          # (low, high) nibble of each byte
     words = (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int32)               # [nt, kt, 128]
     s = _as_bytes(scale).reshape(nt, 4, 8, kt).permute(0, 3, 2, 1).reshape(nt, kt, 32)  # slot 4·g + j: row 8j + g

@@ -84,18 +84,19 @@ DTYPE_BYTES = {"BF16": 2, "F32": 4, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4
 
 # BF16 cache (hopper) — rule and reason.
 # A BF16 copy is worth its memory only where the group-32 FP8 GEMM is slower than a BF16 GEMM. On H200 (HBM
-# ~4.8 TB/s, BF16 dense ~989 TFLOP/s, FP8 ~1979 TFLOP/s) an FP8 weight with 32×32 scales needs a fp32 promotion
-# `acc += partial · sa · sb` on the CUDA cores after every 32-deep K step, about one FMA per output element per
-# 32 K, which caps the group-32 GEMM near R8 ≈ 0.7 PFLOP/s. Per GEMM of M tokens: FP8 takes max(NK/BW, 2MNK/R8),
-# BF16 max(2NK/BW, 2MNK/989T); BF16 wins only for M > R8/BW ≈ 150 tokens, i.e. prefill chunks (the seed workload
-# prefills 8,192-token prompts) and big verify batches, while decode steps keep reading the FP8 copy (half the
-# bytes). Both the saving and the cost of a copy scale with N·K, so every weight pays the same per byte of cache;
-# what differs is whether its GEMM ever sees M >= 150. Hence the rule, per entry:
+# BW ~4.8 TB/s, BF16 dense ~989 TFLOP/s, FP8 ~1979 TFLOP/s, fp32 CUDA cores ~67 TFLOP/s) an FP8 weight with 32×32
+# scales needs a promotion `acc += partial · (sa · sb)` after every 32-deep K step, a multiply and an FMA per output
+# element per 32 K on the CUDA cores, which caps the group-32 GEMM near R8 ≈ 0.7 PFLOP/s (1 / (1/1979T + 1/1072T)).
+# Per GEMM of M tokens: FP8 takes max(NK/BW, 2MNK/R8), BF16 max(2NK/BW, 2MNK/989T); BF16 wins only for
+# M > R8/BW ≈ 150 tokens (prefill chunks: the seed workload prefills 8,192-token prompts; big verify batches), while
+# decode steps keep reading the FP8 copy (half the bytes). Saving and cost both scale with N·K, so every weight pays
+# the same per byte of cache; what differs is whether its GEMM regularly sees M >= 150. Hence the rule, per entry:
 #   1. dense FP8 with group-32 scales (`fp8_block` and weight_block == 32: V4.1). V4's 128×128 blocks promote once
-#      per 128 K, so a DeepGEMM-style FP8 kernel runs near the FP8 rate, faster than BF16 at every M: no copy.
+#      per 128 K, so FP8 stays near 1.35 PFLOP/s, faster than BF16 at every M and half the bytes: no copy.
 #   2. in a main decoder layer (`layers.*`): those GEMMs see every prompt token. The MTP / DSpark drafter blocks
-#      (`mtp.*`) never run without speculative decoding (the seed's measured configuration) and with it run a few
-#      draft tokens per request per step, the memory-bound regime where FP8 is faster.
+#      (`mtp.*`) never run without speculative decoding (the seed's measured configuration) and with it see
+#      batch × draft tokens per step, below ~150 except at the largest batches: their copy (0.30 GiB per TP8 rank)
+#      would mostly sit idle.
 #   Experts (MXFP4: the MoE kernel widens to BF16 in registers; a BF16 copy of 464 GiB cannot be held), Engram
 #   tables (gathers) and BF16/F32 tensors are never copied.
 # Cost: full-size V4.1-Flash at TP8 holds 2.70 GiB of BF16 copies per rank (tests/unit/test_layouts.py), which
@@ -175,7 +176,8 @@ def outputs(entry: TensorEntry, layout: str, expert_dtype: str, args) -> list[Ou
     if layout == "hopper":
         if fmt == "fp4":
             t = F.MARLIN_TILE
-            return [out("weight_packed", (n // t, k // t, 128), "I32"), out("scale_packed", (n // t, k // t, 32), "F8_E8M0")]
+            return [out("weight_packed", (n // t, k // t, 128), "I32"),
+                    out("scale_packed", (n // t, k // t, 32), "F8_E8M0")]
         res = [out("weight_tiled", (*grid, b, b), "F8_E4M3"), out("scale_f32", grid, "F32")]
         if bf16_cache_eligible(entry, args):
             res.append(out("weight_bf16", (n, k), "BF16"))

@@ -98,19 +98,16 @@ def draft_context(model, dstate: DraftState, captured: torch.Tensor, first_pos: 
     keep = min(m, w)
     captured = captured[:, m - keep:]
     b = captured.shape[0]
-    frames = (first_pos + m - keep + 1 + torch.arange(keep, device=captured.device))
+    frames = first_pos + m - keep + 1 + torch.arange(keep, device=captured.device)
     stage0 = model.mtp[0]
     main_x = stage0.main_norm(stage0.main_proj(captured.to(stage0.main_proj.weight.dtype)))
     slots = frames % w
     for s, stage in enumerate(model.mtp):
-        rows = stage.attn.window_kv(main_x, frames.expand(b, -1), _draft_inv(stage))
+        inv = layer_inv_freq(model.args, stage.layer, main_x.device)    # draft layers: plain rope_theta, no YaRN
+        rows = stage.attn.window_kv(main_x, frames.expand(b, -1), inv)
         dstate.rings[s][:, slots] = rows.to(dstate.rings[s].dtype)
     dstate.frames[slots] = frames
     dstate.ctx_len = first_pos + m
-
-
-def _draft_inv(stage):
-    return layer_inv_freq(stage.attn.args, stage.attn.layer, stage.attn.wkv.weight.device)
 
 
 def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
@@ -123,8 +120,7 @@ def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
     ids = torch.full((b, k), a.dspark_noise_token_id, dtype=torch.long, device=bonus.device)
     ids[:, 0] = bonus
     X = model.embed(ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)
-    pre = torch.zeros(b, k, a.hc_mult, device=bonus.device)
-    pre[..., 0] = 1.0  # first collapse of the lagged chain: all streams are equal
+    pre = F.one_hot(torch.zeros(b, k, dtype=torch.long, device=bonus.device), a.hc_mult).float()  # lagged chain start
     frames = (start + 1 + torch.arange(k, device=bonus.device)).expand(b, -1)
     f = dstate.frames
     valid = ((f >= 0) & (f <= start) & (f > start - w)).expand(b, -1)
@@ -134,14 +130,10 @@ def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
     last = model.mtp[-1]
     hidden = hc_collapse(X, pre)                                   # collapsed, un-normed: feeds the confidence head
     base = F.linear(wide(last.norm(hidden)), wide(model.head.weight))
-    tokens, logits, prev = [], [], bonus.long()
-    prevs = []
-    for j in range(k):
-        prevs.append(prev)
-        step = base[:, j] + last.markov_head.bias(prev)
-        logits.append(step)
-        prev = step.argmax(-1)
-        tokens.append(prev)
-    prev_ids = torch.stack(prevs, 1)
-    conf = torch.sigmoid(last.confidence_head(hidden, last.markov_head.embed(prev_ids)))
-    return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1), conf)
+    prevs, logits = [bonus.long()], []
+    for j in range(k):                      # sequential refinement: the bias depends on the token just drafted
+        logits.append(base[:, j] + last.markov_head.bias(prevs[-1]))
+        prevs.append(logits[-1].argmax(-1))
+    tokens = torch.stack(prevs[1:], 1)
+    conf = torch.sigmoid(last.confidence_head(hidden, last.markov_head.embed(torch.stack(prevs[:-1], 1))))
+    return DraftOutput(tokens, torch.stack(logits, 1), conf)

@@ -108,7 +108,7 @@ def tensor_table(args: V4Args) -> list[TensorEntry]:
     return t
 
 
-# -- deploy-mode quantizers ------------------------------------------------------------------------------------------
+# -- numerics helpers ------------------------------------------------------------------------------------------------
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """x in its accumulation dtype: fp32, or fp64 for a float64 model."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -146,19 +146,19 @@ def _index_quant(x: torch.Tensor) -> torch.Tensor:
 
 # -- decoding state --------------------------------------------------------------------------------------------------
 class V4State:
-    """Per-request state of a batch that advances in lockstep: `pos` tokens seen, and one dict of tensors per layer
-    (main layers, then MTP layers with their own `mtp_pos`). Tensors are replaced, never written in place, so a
+    """Per-request state of a batch that advances in lockstep: `pos` tokens seen and one dict of tensors per main
+    layer; the same per MTP block (`mtp_pos[j]`, `mtp[j]`). Tensors are replaced, never written in place, so a
     snapshot is a shallow copy of the dicts."""
 
     def __init__(self, layers: list[dict], mtp: list[dict]):
-        self.pos, self.mtp_pos = 0, 0
+        self.pos, self.mtp_pos = 0, [0] * len(mtp)
         self.layers, self.mtp = layers, mtp
 
     def snapshot(self):
-        return self.pos, self.mtp_pos, [dict(d) for d in self.layers], [dict(d) for d in self.mtp]
+        return self.pos, list(self.mtp_pos), [dict(d) for d in self.layers], [dict(d) for d in self.mtp]
 
     def restore(self, snap) -> None:
-        self.pos, self.mtp_pos = snap[0], snap[1]
+        self.pos, self.mtp_pos = snap[0], list(snap[1])
         self.layers, self.mtp = [dict(d) for d in snap[2]], [dict(d) for d in snap[3]]
 
 
@@ -183,20 +183,21 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, c * dim))
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
-    def init_state(self, st: dict, key: str, B: int, dtype: torch.dtype) -> None:
-        r, w, acc = self.ratio, self.wkv.out_features, torch.promote_types(dtype, torch.float32)
-        st[key + ".pend_kv"] = torch.zeros(B, r, w, dtype=acc)  # rows of the unfinished group
-        st[key + ".pend_sc"] = torch.full((B, r, w), float("-inf"), dtype=acc)
+    def init_state(self, st: dict, key: str, B: int, dtype: torch.dtype, device: torch.device) -> None:
+        r, w = self.ratio, self.wkv.out_features
+        acc = dict(dtype=torch.promote_types(dtype, torch.float32), device=device)
+        st[key + ".pend_kv"] = torch.zeros(B, r, w, **acc)  # rows of the unfinished group
+        st[key + ".pend_sc"] = torch.full((B, r, w), float("-inf"), **acc)
         if self.overlap:  # first halves of the last complete group (zero / -inf before the first)
-            st[key + ".prev_kv"] = torch.zeros(B, r, self.dim, dtype=acc)
-            st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"), dtype=acc)
-        st[key + ".cache"] = torch.zeros(B, 0, self.dim, dtype=dtype)
+            st[key + ".prev_kv"] = torch.zeros(B, r, self.dim, **acc)
+            st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"), **acc)
+        st[key + ".cache"] = torch.zeros(B, 0, self.dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, pos0: int, st: dict, key: str, inv_freq: torch.Tensor) -> torch.Tensor:
         """Feed tokens pos0.. of x [B,S,D]; returns the whole compressed cache [B,T,dim], T = (pos0+S)//ratio."""
         B, S, _ = x.shape
         r, d = self.ratio, self.dim
-        pos = pos0 + torch.arange(S)
+        pos = pos0 + torch.arange(S, device=x.device)
         kv = _acc(self.wkv(x))
         sc = _acc(self.wgate(x)) + self.ape[pos % r]
         n_pend = pos0 % r  # rows of the unfinished group already seen
@@ -217,7 +218,7 @@ class Compressor(nn.Module):
             sc = torch.cat([prev_sc, sc[..., d:]], 2)
         e = (kv * sc.softmax(2)).sum(2)  # [B,G,d]
         e = rms_norm(e, self.norm.eps, self.norm.weight)
-        t = pos0 // r + torch.arange(G)
+        t = pos0 // r + torch.arange(G, device=x.device)
         e = apply_rope(e, (t * r).expand(B, G), inv_freq)
         if self.numerics.deploy:
             if self.kind == "index":
@@ -245,7 +246,7 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, pos0: int, st: dict, inv_freq: torch.Tensor) -> torch.Tensor:
         """-> selected [B,S,T] bool over the compressed entries."""
         B, S, _ = x.shape
-        pos = pos0 + torch.arange(S)
+        pos = pos0 + torch.arange(S, device=x.device)
         k = self.compressor(x, pos0, st, "idx", inv_freq)  # [B,T,hd]
         T = k.shape[1]
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos.expand(B, S), inv_freq)
@@ -254,12 +255,12 @@ class Indexer(nn.Module):
         w = _acc(self.weights_proj(x)) * self.n_heads_total ** -0.5  # [B,S,h]
         score = torch.einsum("bshd,btd->bsht", _acc(q), _acc(k)).relu() * self.head_dim ** -0.5
         score = self.comm.all_reduce((score * w.unsqueeze(-1)).sum(2))  # [B,S,T], partial over local heads
-        visible = (torch.arange(T) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
+        visible = (torch.arange(T, device=x.device) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
         score = score.masked_fill(~visible, float("-inf"))
         # stable descending sort: ties (e.g. all heads ReLU'd to 0) go to the lower index, whatever T is, so a
         # chunked prefill picks what a full forward picks; picks past the visible range are dropped (the −1 slots)
         top = score.argsort(dim=-1, descending=True, stable=True)[..., :min(self.topk, T)]
-        return torch.zeros(B, S, T, dtype=torch.bool).scatter(-1, top, visible.gather(-1, top))
+        return torch.zeros_like(visible).scatter(-1, top, visible.gather(-1, top))
 
 
 class Attention(nn.Module):
@@ -294,17 +295,17 @@ class Attention(nn.Module):
             inv_freq = rope_inv_freq(args.rope_dim, args.rope_theta, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def init_state(self, st: dict, B: int, dtype: torch.dtype) -> None:
-        st["win"] = torch.zeros(B, self.window, self.head_dim, dtype=dtype)
+    def init_state(self, st: dict, B: int, dtype: torch.dtype, device: torch.device) -> None:
+        st["win"] = torch.zeros(B, self.window, self.head_dim, dtype=dtype, device=device)  # slot = pos % window
         if self.compressor is not None:
-            self.compressor.init_state(st, "kv", B, dtype)
+            self.compressor.init_state(st, "kv", B, dtype, device)
         if self.indexer is not None:
-            self.indexer.compressor.init_state(st, "idx", B, dtype)
+            self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
     def forward(self, x: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
         B, S, _ = x.shape
-        W, f = self.window, self.inv_freq
-        pos = pos0 + torch.arange(S)
+        W, f, dev = self.window, self.inv_freq, x.device
+        pos = pos0 + torch.arange(S, device=dev)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,h,d]
         q = apply_rope(rms_norm(q, self.eps).to(q.dtype), pos.expand(B, S), f)  # per-head RMS, no weight
@@ -312,7 +313,7 @@ class Attention(nn.Module):
         if self.numerics.deploy:
             kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
         # window keys: the ring (positions < pos0, slot = pos % W) then the new rows
-        slot = torch.arange(W)
+        slot = torch.arange(W, device=dev)
         ring_pos = (pos0 - 1) - (pos0 - 1 - slot) % W  # latest position held by each slot (< 0: empty)
         kpos = torch.cat([ring_pos, pos])
         allowed = (kpos >= 0) & (kpos <= pos.unsqueeze(-1)) & (kpos > pos.unsqueeze(-1) - W)  # [S, W+S]
@@ -327,7 +328,8 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 sel = self.indexer(x, qr, pos0, st, f)
             else:
-                sel = (torch.arange(ckv.shape[1]) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, -1)
+                T = ckv.shape[1]  # HCA: every complete group
+                sel = (torch.arange(T, device=dev) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
             keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
             allowed = torch.cat([allowed, sel], -1)
         o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)  # [B,S,h,d]
@@ -362,7 +364,8 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (MXFP4, this rank's EP range, MoE-TP slice of the intermediate dim) + one shared expert.
 
-    Routed outputs accumulate in fp32 and are summed over the TP group; the shared expert is replicated."""
+    Routed outputs accumulate in fp32 and are summed over the TP group; the shared expert is replicated. The routing
+    weight scales h before w2 (official order; transformers scales w2's output: equal up to rounding)."""
 
     def __init__(self, args: V4Args, layer: int, numerics: Numerics, mapping: Mapping | None, comm: Comm,
                  dtype: torch.dtype):
@@ -481,7 +484,7 @@ class DeepseekV4Model(nn.Module):
     def new_state(self, batch_size: int) -> V4State:
         layers, mtp = [{} for _ in self.layers], [{} for _ in self.mtp]
         for blk, st in zip(list(self.layers) + list(self.mtp), layers + mtp):
-            blk.attn.init_state(st, batch_size, self.dtype)
+            blk.attn.init_state(st, batch_size, self.dtype, self.embed.weight.device)
         return V4State(layers, mtp)
 
     @torch.no_grad()
@@ -510,11 +513,11 @@ class DeepseekV4Model(nn.Module):
     @torch.no_grad()
     def mtp_logits(self, X_main: torch.Tensor, next_ids: torch.Tensor, state: V4State | None = None,
                    j: int = 0) -> torch.Tensor:
-        """Draft logits of MTP block j from the main streams X_main [B,S,n,D] at positions mtp_pos.. and the tokens
-        that follow them, next_ids [B,S] (fresh state when None)."""
+        """Draft logits of MTP block j from the main streams X_main [B,S,n,D] at positions mtp_pos[j].. and the
+        tokens that follow them, next_ids [B,S] (fresh state when None)."""
         state = state or self.new_state(X_main.shape[0])
-        out = self.mtp[j](X_main, next_ids, state.mtp_pos, state.mtp[j])
-        state.mtp_pos += next_ids.shape[1]
+        out = self.mtp[j](X_main, next_ids, state.mtp_pos[j], state.mtp[j])
+        state.mtp_pos[j] += next_ids.shape[1]
         return out
 
     @torch.no_grad()

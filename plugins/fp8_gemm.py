@@ -27,8 +27,9 @@ def _fp8_gemm_g32_kernel(
     p_desc, q_desc, ps_ptr, qs_ptr, out_ptr,
     P, Q, K,
     stride_ps, stride_qs, stride_op, stride_oq, stride_os,
+    SPLIT_K,
     P_SDIV: tl.constexpr, Q_SDIV: tl.constexpr, PS_E8M0: tl.constexpr, QS_E8M0: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr,
 ):
     """acc[p, q] = Σ_kb (P_q[p, kb]·Q_q[q, kb]ᵀ)·ps[p/P_SDIV, kb]·qs[q/Q_SDIV, kb]; operand tiles arrive by TMA
@@ -78,11 +79,11 @@ def _fp8_gemm_g32_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in range(SPLIT_K):
         acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -138,13 +139,13 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         p_desc, q_desc, ps, qs, dst,
         P, Q, k,
         ps.stride(0), qs.stride(0), stride_op, stride_oq, m * n,
+        split,
         P_SDIV=p_div, Q_SDIV=q_div, PS_E8M0=ps_e8, QS_E8M0=qs_e8,
-        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, SPLIT_K=split, GROUP_P=cfg.group_p,
+        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, GROUP_P=cfg.group_p,
         NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, num_warps=cfg.num_warps)
     if split > 1:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT_K=split, BLOCK=block,
-                                                            num_warps=4)
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, split, BLOCK=block, num_warps=4)
     return out
 
 

@@ -77,7 +77,7 @@ def _bytes(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("tp,moe_ep", [(2, None), (2, 2)])
+@pytest.mark.parametrize("tp,moe_ep", [(2, None), (2, 2), (4, 2)])  # TP2, EP2, TP4 = MoE-TP2 x MoE-EP2
 def test_sharded_engines_reassemble(hf_v41, tmp_path, tp, moe_ep):
     m = Mapping(world_size=tp, tp_size=tp, moe_ep_size=moe_ep)
     out = write_engine(hf_v41, tmp_path / "e", m, "cpu", BuildConfig(), progress=False)
@@ -127,10 +127,12 @@ def test_tp2_generation_matches_tp1_and_reference(hf_v41, tmp_path):
     ids = [0, 671, 6102, 294, 8760, 344]
     ref = load_reference(hf_v41, numerics="deploy").generate_greedy(torch.tensor([ids]), 6)[0, len(ids):].tolist()
     outs = {}
-    for tag, extra in {"tp1": [], "tp2": ["--tp", "2"], "ep2": ["--tp", "2", "--moe-ep", "2"]}.items():
+    topologies = {"tp1": [], "tp2": ["--tp", "2"], "ep2": ["--tp", "2", "--moe-ep", "2"],
+                  "tp4_ep2": ["--tp", "4", "--moe-ep", "2"]}
+    for tag, extra in topologies.items():
         dsflash("build", "--ckpt", str(hf_v41), "--out", str(tmp_path / tag), *extra)
         r = dsflash("generate", "--engine", str(tmp_path / tag), "--input-ids", ",".join(map(str, ids)),
                     "--max-new-tokens", "6", "--json")
         outs[tag] = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
     assert outs["tp1"] == ref
-    assert outs["tp2"] == ref and outs["ep2"] == ref
+    assert outs["tp2"] == ref and outs["ep2"] == ref and outs["tp4_ep2"] == ref

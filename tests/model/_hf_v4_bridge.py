@@ -118,6 +118,20 @@ def stable_topk_ties():
 
 
 @torch.no_grad()
+def hf_chunked_logits(model, input_ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """transformers' own incremental path (DynamicCache with its V4 cache layers) fed in `chunks` -> [B,S,V]."""
+    from transformers import DynamicCache
+
+    cache, outs, p = DynamicCache(config=model.config), [], 0
+    with stable_topk_ties():
+        for c in chunks:
+            out = model(input_ids=input_ids[:, p:p + c], past_key_values=cache, use_cache=True)
+            outs.append(out.logits.float())
+            cache, p = out.past_key_values, p + c
+    return torch.cat(outs, 1)
+
+
+@torch.no_grad()
 def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Full forward without cache (transformers' stateless path) -> [B,S,V] fp32, indexer ties broken stably."""
     with stable_topk_ties():

@@ -14,7 +14,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8) if x.element_size() == 1 else x
 
 
-# -- Blackwell 128×4 scale swizzle ----------------------------------------------------------------------------------
+# -- Blackwell 128×4 scale swizzle -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows,cols", [(300, 9), (128, 4), (1, 1), (256, 160)])
 def test_swizzle_matches_written_offsets(rows, cols):
     x = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
@@ -40,7 +40,7 @@ def test_expand_block_scales_is_exact(shape, block):
     assert torch.equal(F.collapse_mx_scales(mx, block).view(torch.uint8), s.view(torch.uint8))
 
 
-# -- MXFP4 -> FP8 widening -------------------------------------------------------------------------------------------
+# -- MXFP4 -> FP8 widening ---------------------------------------------------------------------------------------------
 def test_widen_hand_example():
     # one 32x32 tile: row 0 has scale 2^0 and value 6, row 1 scale 2^-3 and value 0.5 -> S = 2^-6
     codes = torch.zeros(32, 32, dtype=torch.uint8)
@@ -81,7 +81,7 @@ def test_tile_blocks_definition_and_inverse():
 
 
 def test_marlin_lane_fragments():
-    """Lane t of tile (i, j) holds B[k, n] of mma.m16n8k16 fragments; (word >> 4i) & 0x000F000F is the pair (2i, 2i+1)."""
+    """Lane t of tile (i, j) holds B[k, n] of the mma.m16n8k16 fragments; (word >> 4i) & 0x000F000F: pair (2i, 2i+1)."""
     n, k = 64, 96
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale = torch.randint(100, 140, (n, k // 32), dtype=torch.uint8).view(Q.E8M0)
@@ -114,7 +114,7 @@ def test_bf16_copy_is_exact():
     assert torch.equal(F.fp8_block_to_bf16(q, s, 32).float(), Q.dequant_fp8_block(q, s, 32))
 
 
-# -- every role through every layout (hand-made table; the real families run in tests/e2e/test_convert.py) ------------
+# -- every role through every layout (hand-made table; the real families run in tests/e2e/test_convert.py) -------------
 def _hand_table(ragged: bool) -> list[TensorEntry]:
     dense = (160, 192) if ragged else (96, 128)
     return [
@@ -184,7 +184,7 @@ def test_unknown_layout_and_expert_dtype():
         L.outputs(e, "hopper", "int4", args)
 
 
-# -- BF16 cache rule ------------------------------------------------------------------------------------------------------
+# -- BF16 cache rule ---------------------------------------------------------------------------------------------------
 def test_bf16_cache_rule_matches_seed_memory_growth():
     """Full V4.1-Flash at TP8: the cache costs 2.70 GiB per rank (seed: 72.71 -> 75.43 GB, SGLang GB = 2^30 bytes)."""
     args = get_preset("v41", "full")

@@ -1,0 +1,398 @@
+"""Kernel benchmark (`make bench-kernels`, GPU): every plugin against its reference path and the measured ceilings.
+
+    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm] [--ms 1,3,8,64,257,4096]
+
+One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
+GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
+the op), the reference path's time in the same run and the speedup, and ‖Δ‖/‖ref‖ parity. V4.1-Flash shapes for TP1
+and one TP8 rank. The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are measured
+in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cache) in tuned.json's format.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from dsflash.plugins import refs, tuning
+
+DEV = "cuda"
+L2_BYTES = 60e6
+HIDDEN = 5120
+HC_ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
+
+# (name, N, K, tp): V4.1-Flash dense FP8 linears; TP8 rows are one rank's shard
+GEMM_SHAPES = [
+    ("wq_a", 1280, 5120, "tp1/tp8"),
+    ("wkv", 512, 5120, "tp1/tp8"),
+    ("wq_b", 32768, 1280, "tp1"),
+    ("wo_b", 5120, 8192, "tp1"),
+    ("shexp_w13", 4608, 5120, "tp1"),
+    ("shexp_w2", 5120, 2304, "tp1"),
+    ("idx_wq_b", 4096, 1280, "tp1"),
+    ("wq_b", 4096, 1280, "tp8"),
+    ("wo_b", 5120, 1024, "tp8"),
+    ("shexp_w13", 576, 5120, "tp8"),
+    ("shexp_w2", 5120, 288, "tp8"),
+]
+
+
+# -- timing -----------------------------------------------------------------------------------------------------------
+def _graph_time_us(calls: list, target_us: float = 3000.0, replays: int = 15) -> tuple[float, str]:
+    """Median time per call: the calls (one per input set) captured round-robin into one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for c in calls:
+        c()
+    e1.record()
+    e1.synchronize()
+    est = max(e0.elapsed_time(e1) * 1000 / len(calls), 1.0)
+    inner = len(calls) * max(1, min(64, math.ceil(target_us / (est * len(calls)))))
+    inner = min(inner, max(len(calls), 1024))
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(inner):
+                calls[i % len(calls)]()
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(replays):
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1000 / inner)
+        del g
+        return statistics.median(ts), "graph"
+    except Exception:  # not capturable: eager events
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(replays):
+            e0.record()
+            for i in range(inner):
+                calls[i % len(calls)]()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1000 / inner)
+        return statistics.median(ts), "eager"
+
+
+def _n_sets(bytes_per_call: float, cap: int = 48) -> int:
+    return max(1, min(cap, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1.0))))
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t_copy, _ = _graph_time_us([lambda: dst.copy_(src)], target_us=20000, replays=10)
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEV).to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device=DEV).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
+    t_fp8, _ = _graph_time_us([lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)],
+                              target_us=20000, replays=10)
+    a16, b16 = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16), torch.randn(8192, 8192, device=DEV,
+                                                                                      dtype=torch.bfloat16)
+    t_bf16, _ = _graph_time_us([lambda: a16 @ b16.t()], target_us=20000, replays=10)
+    flops = 2 * 8192 ** 3
+    return {"copy_GBps": 2 * n / t_copy / 1e3, "fp8_scaled_mm_TFLOPs": flops / t_fp8 / 1e6,
+            "bf16_mm_TFLOPs": flops / t_bf16 / 1e6}
+
+
+def _row(op, shape, m, us, ref_us, nbytes, flops, ceil, err, **extra) -> dict:
+    t_bw = nbytes / (ceil["copy_GBps"] * 1e3)
+    rate = ceil["fp8_scaled_mm_TFLOPs"] if extra.get("rate") == "fp8" else ceil["bf16_mm_TFLOPs"]
+    t_mm = flops / (rate * 1e6) if flops else 0.0
+    extra.pop("rate", None)
+    return {"op": op, "shape": shape, "M": m, "us": us, "GBps": nbytes / us / 1e3, "TFLOPs": flops / us / 1e6,
+            "pct_ceiling": 100 * max(t_bw, t_mm) / us, "bound": "mem" if t_bw >= t_mm else "mma",
+            "pct_copy_bw": 100 * t_bw / us, "ref_us": ref_us, "speedup": (ref_us / us) if ref_us else None,
+            "err": err, **extra}
+
+
+# -- sections ---------------------------------------------------------------------------------------------------------
+def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
+    from dsflash.plugins.act_quant import act_quant, rmsnorm_act_quant
+    rows = []
+    for name, k, norm in (("act_quant", HIDDEN, False), ("act_quant", 8192, False), ("rmsnorm_act_quant", 1280, True)):
+        w = torch.rand(k, device=DEV) + 0.5
+        for m in ms:
+            nbytes = m * k * (2 + 1) + m * (k // 32) * 4 + (m * k * 2 if norm else 0) + (k * 4 if norm else 0)
+            xs = [(torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16) for _ in range(_n_sets(nbytes, 16))]
+            if norm:
+                f = [lambda x=x: rmsnorm_act_quant(x, w, 1e-6) for x in xs]
+                r = [lambda x=x: refs.rmsnorm_act_quant_ref(x, w, 1e-6) for x in xs]
+                got, want = rmsnorm_act_quant(xs[0], w, 1e-6)[1:], refs.rmsnorm_act_quant_ref(xs[0], w, 1e-6)[1:]
+            else:
+                f = [lambda x=x: act_quant(x) for x in xs]
+                r = [lambda x=x: refs.act_quant_ref(x) for x in xs]
+                got, want = act_quant(xs[0]), refs.act_quant_ref(xs[0])
+            err = refs.rel_err(refs.act_dequant_ref(*got), refs.act_dequant_ref(*want))
+            us, how = _graph_time_us(f)
+            ref_us, _ = _graph_time_us(r)
+            rows.append(_row(name, f"{m}x{k}", m, us, ref_us, nbytes, 0, ceil, err, timing=how))
+    return rows
+
+
+def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
+    from dsflash.plugins.mhc import hc_mix, hc_post, hc_pre
+    rows = []
+    d = HIDDEN
+    k = 4 * d
+    fn = torch.randn(24, k, device=DEV) * k ** -0.5
+    h = refs.hc_split_weight(fn)
+    base, scale = torch.randn(24, device=DEV) * 0.5, torch.rand(3, device=DEV) + 0.5
+    w = torch.rand(d, device=DEV) + 0.5
+    for t in ms:
+        per_set = t * 4 * d * 2 * 3
+        sets = []
+        for _ in range(_n_sets(per_set, 16)):
+            X = (torch.randn(t, 4, d, device=DEV) * 2).to(torch.bfloat16)
+            fx = torch.randn(t, d, device=DEV).to(torch.bfloat16)
+            pre, post, comb = refs.hc_mix_ref(X.flatten(1), fn, base, scale, 4, HC_ITERS, HC_EPS, NORM_EPS)
+            sets.append((X, fx, pre, post, comb))
+        X, fx, pre, post, comb = sets[0]
+        # (b) coefficients vs fp32
+        got = hc_mix(X.flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
+        err = max(refs.rel_err(g, r) for g, r in zip(got, (pre, post, comb)))
+        us, how = _graph_time_us([lambda s=s: hc_mix(s[0].flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
+                                  for s in sets])
+        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_mix_ref(s[0].flatten(1), fn, base, scale, 4, HC_ITERS,
+                                                                HC_EPS, NORM_EPS) for s in sets])
+        nb = t * k * 2 + 3 * 32 * k * 2 + t * 24 * 4
+        rows.append(_row("hc_mix", f"{t}x4x{d}", t, us, ref_us, nb, 2 * t * k * 24 * 3, ceil, err, timing=how))
+        # (a) collapse + norm + quant
+        g = hc_pre(X, pre, w, NORM_EPS, True)
+        r = refs.hc_pre_ref(X, pre, w, NORM_EPS, True)
+        err = max(refs.rel_err(g[0], r[0]), refs.rel_err(refs.act_dequant_ref(g[1], g[2]), refs.act_dequant_ref(r[1], r[2])))
+        us, how = _graph_time_us([lambda s=s: hc_pre(s[0], s[2], w, NORM_EPS, True) for s in sets])
+        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_pre_ref(s[0], s[2], w, NORM_EPS, True) for s in sets])
+        nb = t * 4 * d * 2 + t * d * (2 + 1) + t * d // 32 * 4
+        rows.append(_row("hc_pre+quant", f"{t}x4x{d}", t, us, ref_us, nb, 0, ceil, err, timing=how))
+        # (c) expand, and expand fused with the next collapse + norm + quant
+        g = hc_post(X, fx, post, comb)
+        err = refs.rel_err(g, refs.hc_post_ref(X, fx, post, comb))
+        us, how = _graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4]) for s in sets])
+        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4]) for s in sets])
+        nb = t * 4 * d * 2 * 2 + t * d * 2
+        rows.append(_row("hc_post", f"{t}x4x{d}", t, us, ref_us, nb, 0, ceil, err, timing=how))
+        g = hc_post(X, fx, post, comb, pre, w, NORM_EPS, True)
+        r = refs.hc_post_ref(X, fx, post, comb, pre, w, NORM_EPS, True)
+        err = max(refs.rel_err(g[0], r[0]), refs.rel_err(g[1], r[1]),
+                  refs.rel_err(refs.act_dequant_ref(g[2], g[3]), refs.act_dequant_ref(r[2], r[3])))
+        us_post, how = _graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
+                                       for s in sets])
+        ref_post, _ = _graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
+                                      for s in sets])
+        nb = t * 4 * d * 2 * 2 + t * d * 2 + t * d * (2 + 1) + t * d // 32 * 4
+        rows.append(_row("hc_post+pre+quant", f"{t}x4x{d}", t, us_post, ref_post, nb, 0, ceil, err, timing=how))
+        nb_site = nb + t * k * 2 + 3 * 32 * k * 2
+
+        # one V4.1 site: coefficients + expand fused with the next (lagged-pre) collapse, norm and FP8 quant
+        def fused(s):
+            p, q, c = hc_mix(s[0].flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
+            return hc_post(s[0], s[1], q, c, p, w, NORM_EPS, True)
+
+        def unfused(s):
+            p, q, c = refs.hc_mix_ref(s[0].flatten(1), fn, base, scale, 4, HC_ITERS, HC_EPS, NORM_EPS)
+            return refs.hc_post_ref(s[0], s[1], q, c, p, w, NORM_EPS, True)
+        us, how = _graph_time_us([lambda s=s: fused(s) for s in sets])
+        ref_us, _ = _graph_time_us([lambda s=s: unfused(s) for s in sets])
+        rows.append(_row("mhc_site", f"{t}x4x{d}", t, us, ref_us, nb_site, 0, ceil, None, timing=how))
+    return rows
+
+
+def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[dict]:
+    from dsflash.plugins.act_quant import act_quant_dequant
+    from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm
+    rows = []
+    one = torch.ones((), device=DEV)
+    # decode and large-M first (the targets), should the time budget run out
+    order = sorted(ms, key=lambda m: (0 if m in (1, 8) else 1 if m >= 4096 else 2, m))
+    for m in order:
+        for name, n, k, tp in GEMM_SHAPES:
+            if time.time() > deadline:
+                rows.append({"op": "fp8_gemm", "shape": f"{name}:{n}x{k}", "M": m, "error": "skipped: time budget"})
+                continue
+            shape = f"{name}[{tp}] {n}x{k}"
+            try:
+                nb_w = n * k + (n // 32) * (k // 32)
+                nbytes = nb_w + m * k * (1 + 4 / 32) + m * n * 2
+                n_sets = _n_sets(nb_w + m * k)
+                ws = []
+                for _ in range(n_sets):
+                    w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
+                    ws.append((w_q, w_s))
+                xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
+                acts = [refs.act_quant_ref(x) for x in xs]
+                ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
+                flops = 2 * m * n * k
+                # reference path: torch fake-quant + F.linear on the dequantized BF16 weight (what model_def runs)
+                w16 = [bf16_cache_weight(*wp) for wp in ws]
+                ref_us, _ = _graph_time_us([lambda i=i: torch.nn.functional.linear(refs.act_fake_quant_ref(xs[i]), w16[i])
+                                            for i in range(n_sets)])
+                # FP8 kernel: every candidate config
+                best = default_row = None
+                tried = []
+                for cfg in tuning.candidates(n, k, m):
+                    try:
+                        out = fp8_gemm(*acts[0], *ws[0], cfg)
+                        err = refs.rel_err(out, ref32)
+                        us, how = _graph_time_us([lambda i=i, c=cfg: fp8_gemm(*acts[i], *ws[i], c) for i in range(n_sets)])
+                    except Exception as e:  # a config that fails to compile/launch is reported, not fatal
+                        rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),
+                                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                        continue
+                    cand = _row("fp8_gemm", shape, m, us, ref_us, nbytes, flops, ceil, err, rate="fp8",
+                                config=cfg.tag(), cfg=cfg.to_dict(), default=cfg == tuning.default_config(n, k, m),
+                                timing=how, weight_MB=nb_w / 1e6)
+                    tried.append([cfg.tag(), round(us, 2), err])
+                    if best is None or us < best["us"]:
+                        best = cand
+                    if cand["default"]:
+                        default_row = cand
+                if best is None:
+                    raise RuntimeError("no FP8 GEMM config ran")
+                # BF16-cache path: fused quantize/dequantize kernel + cuBLAS BF16
+                out16 = torch.matmul(act_quant_dequant(xs[0]), w16[0].t())
+                err16 = refs.rel_err(out16, ref32)
+                us16, how = _graph_time_us([lambda i=i: torch.matmul(act_quant_dequant(xs[i]), w16[i].t())
+                                            for i in range(n_sets)])
+                nbytes16 = 2 * n * k + m * k * 2 * 3 + m * n * 2
+                rows.append(best | {"op": "fp8_gemm[tuned]", "candidates": tried})
+                if not best["default"] and default_row is not None:
+                    rows.append(default_row | {"op": "fp8_gemm[default]"})
+                rows.append(_row("bf16_cache_gemm", shape, m, us16, ref_us, nbytes16, flops, ceil, err16, rate="bf16",
+                                 timing=how, weight_MB=2 * n * k / 1e6))
+                # ceiling at the same shape: torch._scaled_mm (per-tensor scales), where cuBLAS takes the shape
+                if m % 16 == 0:
+                    a8 = torch.randn(m, k, device=DEV).to(torch.float8_e4m3fn)
+                    smm_us, _ = _graph_time_us([lambda i=i: torch._scaled_mm(a8, ws[i][0].t(), scale_a=one, scale_b=one,
+                                                                             out_dtype=torch.bfloat16)
+                                                for i in range(n_sets)])
+                    rows.append(_row("scaled_mm(fp8 ceiling)", shape, m, smm_us, None, nbytes, flops, ceil, None,
+                                     rate="fp8") | {"fp8_gemm_vs_scaled_mm": smm_us / best["us"]})
+                path = "fp8" if best["us"] <= us16 else "bf16cache"
+                tuned[tuning.key_str(n, k, tuning.m_bucket(m))] = {"path": path, "config": best["cfg"],
+                                                                   "fp8_us": best["us"], "bf16cache_us": us16}
+                del ws, xs, acts, w16
+            except Exception as e:
+                rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "error": f"{type(e).__name__}: {e}",
+                             "trace": traceback.format_exc()[-2000:]})
+            torch.cuda.empty_cache()
+    return rows
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+def targets(rows: list[dict]) -> dict:
+    dec, big, site = [], [], []
+    by_key = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        by_key[(r["op"], r["shape"], r["M"])] = r
+    for (op, shape, m), r in by_key.items():
+        if op == "fp8_gemm[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16:
+            dec.append({"shape": shape, "M": m, "pct_copy_bw": r["pct_copy_bw"], "pass": r["pct_copy_bw"] >= 60})
+        if op == "scaled_mm(fp8 ceiling)" and m >= 4096:
+            big.append({"shape": shape, "M": m, "ratio": r["fp8_gemm_vs_scaled_mm"],
+                        "pass": r["fp8_gemm_vs_scaled_mm"] >= 0.7})
+        if op == "mhc_site":
+            site.append({"M": m, "speedup": r["speedup"], "pass": r["speedup"] >= 3})
+    return {"decode_gemm_ge16MB_ge60pct_copy_bw": dec, "large_m_fp8_ge70pct_scaled_mm": big,
+            "fused_mhc_ge3x_unfused": site}
+
+
+def format_table(rows: list[dict]) -> str:
+    hdr = (f"{'op':<22} {'shape':<28} {'M':>5} {'µs':>9} {'GB/s':>7} {'TFLOP/s':>8} {'%ceil':>6} {'bound':>5} "
+           f"{'ref µs':>9} {'speedup':>7} {'rel err':>8}  config")
+    out = [hdr, "-" * len(hdr)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['op']:<22} {r['shape']:<28} {r['M']:>5}  ERROR {r.get('config', '')} {r['error'][:120]}")
+            continue
+        sp = f"{r['speedup']:.2f}" if r.get("speedup") else "-"
+        ref = f"{r['ref_us']:.1f}" if r.get("ref_us") else "-"
+        err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
+        out.append(f"{r['op']:<22} {r['shape']:<28} {r['M']:>5} {r['us']:>9.1f} {r['GBps']:>7.0f} {r['TFLOPs']:>8.1f} "
+                   f"{r['pct_ceiling']:>6.1f} {r['bound']:>5} {ref:>9} {sp:>7} {err:>8}  {r.get('config', '')}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--sections", default="mhc,act,gemm")
+    ap.add_argument("--ms", default="1,3,8,64,257,4096", help="token counts M")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting GEMM shapes after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench-kernels needs a CUDA GPU")
+        return 2
+    import triton
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    ms = [int(v) for v in args.ms.split(",")]
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    result = {"machine": {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                          "triton": triton.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()},
+              "command": "python -m dsflash.plugins.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "rows": [], "tuned": {}}
+
+    def dump():
+        result["targets"] = targets(result["rows"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+    ceil = measure_ceilings()
+    result["ceilings"] = ceil
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, fp8 _scaled_mm {ceil['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s, "
+          f"bf16 mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s", flush=True)
+    sections = args.sections.split(",")
+    for sec in ("mhc", "act", "gemm"):
+        if sec not in sections:
+            continue
+        try:
+            if sec == "mhc":
+                result["rows"] += bench_mhc(ceil, ms)
+            elif sec == "act":
+                result["rows"] += bench_act(ceil, ms)
+            else:
+                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s)
+        except Exception as e:
+            result["rows"].append({"op": sec, "shape": "-", "M": 0, "error": f"{type(e).__name__}: {e}",
+                                   "trace": traceback.format_exc()[-3000:]})
+        dump()
+        print(f"[{sec} done at {time.time() - t0:.0f}s]", flush=True)
+    result["rows"].sort(key=lambda r: (r["op"].split("[")[0] != "fp8_gemm" and r["op"] != "bf16_cache_gemm"
+                                       and not r["op"].startswith("scaled_mm"), r["shape"], r["M"]))
+    print(format_table(result["rows"]))
+    print(json.dumps(result["targets"], indent=None, default=str))
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
