@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
-                                      apply_rope, local_slice, rope_inv_freq, sink_attention, tp_of)
+                                      apply_rope, local_slice, rope_inv_freq, sink_attention, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
@@ -26,13 +26,8 @@ COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
 INDEX_BLOCK = 32          # FP4 e2m1 with a pow2 (e8m0) scale per 32 channels, index keys and queries
 
 
-def wide(x: torch.Tensor) -> torch.Tensor:
-    """Upcast for fp32-or-better math: fp32, but fp64 stays fp64 (fp64 reference runs keep rounding that depends on
-    evaluation order — gemv vs gemm, chunking — far below the FP4/FP8/bf16 grids, so full and incremental agree)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `wide` gives for `dtype` (fp64 model runs keep fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -280,7 +275,7 @@ class Attention(nn.Module):
         cache.kv = torch.cat([cache.kv, rot.to(cache.kv.dtype)], 1)
 
     def _select(self, x, q_res, pos, cache: SourceCache, inv, selections: dict) -> torch.Tensor:
-        """Top-k entries per query (−1 padded) [B,S,index_topk]; publishes the candidate mask at the candidate source."""
+        """Top-k entries per query, −1 padded [B,S,index_topk]; the candidate source also publishes its block mask."""
         a = self.args
         scores = self.indexer.scores(x, q_res, pos, inv, cache.index_k)
         counts = visible_counts(pos, self.ratio)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def.csa2 import layer_inv_freq, wide
-from dsflash.model_def.layers import Linear, Numerics, RMSNorm, hc_collapse
+from dsflash.model_def.csa2 import layer_inv_freq
+from dsflash.model_def.layers import Linear, Numerics, RMSNorm, hc_collapse, wide
 
 
 class MarkovHead(nn.Module):

@@ -19,6 +19,11 @@ from dsflash.model_def.quant import fake_quant_fp8
 NUMERICS_MODES = ("hf", "deploy")
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """The dtype of "fp32 math": fp32, or fp64 when the model runs in fp64 (exactness tests build it so)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 @dataclass(frozen=True)
 class Numerics:
     """`hf`: what transformers computes. `deploy`: + FP8 1×act_block activation quantization before FP8/FP4 linears."""
@@ -66,7 +71,7 @@ class DistComm:
         if self.tp_size == 1:
             return x
         import torch.distributed as dist
-        y = x.float().contiguous()
+        y = wide(x).contiguous()
         dist.all_reduce(y, group=self.group)
         return y.to(x.dtype)
 
@@ -84,9 +89,9 @@ def local_slice(total: int, mapping: Mapping | None) -> tuple[int, int]:
 # -- norms -------------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim in fp32; returns fp32."""
-    xf = x.float()
+    xf = wide(x)
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight.float()
+    return y if weight is None else y * wide(weight)
 
 
 class RMSNorm(nn.Module):
@@ -170,12 +175,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """
     rd = inv_freq.numel() * 2
     ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)  # [.., S, rd/2]
-    cos, sin = ang.cos().float(), ang.sin().float()
+    cos, sin = ang.cos().to(wide(x).dtype), ang.sin().to(wide(x).dtype)
     if inverse:
         sin = -sin
     if x.dim() == positions.dim() + 2:  # heads axis between S and d
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    xf = x.float()
+    xf = wide(x)
     r = xf[..., -rd:].reshape(*x.shape[:-1], rd // 2, 2)
     a, b = r[..., 0], r[..., 1]
     rot = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(*x.shape[:-1], rd)
@@ -185,7 +190,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 # -- mHC -----------------------------------------------------------------------------------------------------------
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """softmax over the last axis + eps, column-normalise, then (iters-1)× row- then column-normalise. fp32."""
-    c = logits.float().softmax(-1) + eps
+    c = wide(logits).softmax(-1) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
@@ -196,10 +201,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_mix(xflat: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC coefficients from the flattened streams. xflat: [..., n*D] -> pre [...,n], post [...,n], comb [...,n,n]."""
-    xf = xflat.float()
+    xf = wide(xflat)
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    m = (xf @ fn.float().t()) * r  # [..., (2+n)*n]
-    base, scale = base.float(), scale.float()
+    m = (xf @ fn.to(xf.dtype).t()) * r  # [..., (2+n)*n]
+    base, scale = base.to(xf.dtype), scale.to(xf.dtype)
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -208,23 +213,23 @@ def hc_mix(xflat: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x = Σ_j pre_j · X_j. X: [..., n, D], pre: [..., n] -> [..., D] in X.dtype."""
-    return (pre.float().unsqueeze(-1) * X.float()).sum(-2).to(X.dtype)
+    return (wide(pre).unsqueeze(-1) * wide(X)).sum(-2).to(X.dtype)
 
 
 def hc_expand(X: torch.Tensor, fx: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k · f(x) + Σ_j comb[j,k] · X_j. X: [..., n, D], fx: [..., D]."""
-    mixed = torch.einsum("...jk,...jd->...kd", comb.float(), X.float())
-    return (post.float().unsqueeze(-1) * fx.float().unsqueeze(-2) + mixed).to(X.dtype)
+    mixed = torch.einsum("...jk,...jd->...kd", wide(comb), wide(X))
+    return (wide(post).unsqueeze(-1) * wide(fx).unsqueeze(-2) + mixed).to(X.dtype)
 
 
 # -- MoE pieces ----------------------------------------------------------------------------------------------------
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
-    return torch.sqrt(F.softplus(x.float()))
+    return torch.sqrt(F.softplus(wide(x)))
 
 
 def clipped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(g, limit)) · clamp(u, ±limit) in fp32."""
-    g, u = g.float(), u.float()
+    g, u = wide(g), wide(u)
     if limit > 0:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
@@ -245,7 +250,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
         h = clipped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
         if route_weight is not None:
-            h = h * route_weight.float().unsqueeze(-1)
+            h = h * wide(route_weight).unsqueeze(-1)
         if self.w2.numerics.deploy:
             h = h.to(torch.bfloat16)  # the reference casts h to BF16 before w2
         return self.w2(h.to(x.dtype))
@@ -258,12 +263,12 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sin
 
     q: [B,S,H,d]; kv: [B,T,d]; allowed: [B,S,T] bool; sink: [H] -> [B,S,H,d] (fp32 math, q.dtype out).
     """
-    logits = torch.einsum("bshd,btd->bsht", q.float(), kv.float()) * scale
+    logits = torch.einsum("bshd,btd->bsht", wide(q), wide(kv)) * scale
     logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
-    sink_l = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    sink_l = wide(sink).view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
     full = torch.cat([logits, sink_l], -1)
     p = full.softmax(-1)[..., :-1]
-    return torch.einsum("bsht,btd->bshd", p, kv.float()).to(q.dtype)
+    return torch.einsum("bsht,btd->bshd", p, wide(kv)).to(q.dtype)
 
 
 def gather_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -274,10 +279,10 @@ def gather_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, 
     """
     B, S, K = idx.shape
     valid = idx >= 0
-    rows = torch.gather(kv.float(), 1, idx.clamp(min=0).reshape(B, S * K, 1).expand(-1, -1, kv.shape[-1]))
+    rows = torch.gather(wide(kv), 1, idx.clamp(min=0).reshape(B, S * K, 1).expand(-1, -1, kv.shape[-1]))
     rows = rows.reshape(B, S, K, -1)
-    logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * scale
+    logits = torch.einsum("bshd,bskd->bshk", wide(q), rows) * scale
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sink_l = sink.float().view(1, 1, -1, 1).expand(B, S, -1, 1)
+    sink_l = wide(sink).view(1, 1, -1, 1).expand(B, S, -1, 1)
     p = torch.cat([logits, sink_l], -1).softmax(-1)[..., :-1]
     return torch.einsum("bshk,bskd->bshd", p, rows).to(q.dtype)

@@ -90,7 +90,14 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 # -- fake quantization (quantize then dequantize, same shape/dtype) ---------------------------------------------------
 def fake_quant_fp8(x: torch.Tensor, block: int, min_amax: float = FP8_MIN_AMAX) -> torch.Tensor:
-    """FP8 e4m3 with one pow2 scale per `block` contiguous elements of the last dim (activation quantization)."""
+    """FP8 e4m3 with one pow2 scale per `block` contiguous elements of the last dim (activation quantization).
+
+    A last dim that is not a multiple of `block` ends in a short block (as zero padding would: zeros never raise amax).
+    """
+    tail = -x.shape[-1] % block
+    if tail:
+        padded = torch.nn.functional.pad(x, (0, tail))
+        return fake_quant_fp8(padded, block, min_amax)[..., :x.shape[-1]]
     xb = _blocks(x, block)
     s = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_MAX, min_amax)
     return (round_e4m3(xb / s) * s).reshape(x.shape).to(x.dtype)

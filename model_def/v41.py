@@ -1,15 +1,17 @@
 """DeepSeek-V4.1-Flash text model (plain-PyTorch reference) and its checkpoint name table.
 
-Block (architecture.md §2.8): `X → [Engram] → lagged mHC collapse → attn_norm → CSA2 attention → hc_post → lagged
-collapse → ffn_norm → MoE → hc_post`, X being `hc_mult` residual streams. The `pre` a site computes is applied at the
-next site; the very first collapse is one-hot, the final one uses the last FFN site's `pre` (no `hc_head`), then
-`norm` and `head`. Semantics follow transformers' `deepseek_v41` (incl. the window-KV FP8 and compressed/index FP4
-fake-quant, part of the model in both numerics modes); `deploy` adds FP8 1×32 activation quantization before the
-FP8/FP4-weight linears. Attention lives in `csa2.py`, the DSpark drafter (`mtp.*`) in `dspark.py`.
+Block (architecture.md §2.8): `X → [Engram] → lagged mHC collapse → attn_norm → CSA2 attention → hc_post →
+lagged collapse → ffn_norm → MoE → hc_post`, X being `hc_mult` residual streams. The `pre` a site computes is
+applied at the next site; the very first collapse is one-hot, the final one uses the last FFN site's `pre` (no
+`hc_head`), then `norm` and `head`. Semantics follow transformers' `deepseek_v41` (incl. the window-KV FP8 and
+compressed/index FP4 fake-quant, part of the model in both numerics modes); `deploy` adds FP8 1×32 activation
+quantization before the FP8/FP4-weight linears. Attention lives in `csa2.py`, the DSpark drafter (`mtp.*`) in
+`dspark.py`.
 
 Parameters are named exactly as the HF checkpoint keys (`tensor_table`). TP: attention heads (`wq_b`, `attn_sink`),
 `wo_a` groups, `wo_b` input columns, indexer heads and the shared expert are sharded; routed experts are placed by
-EP and sliced by MoE-TP; one fp32 all-reduce per attention and per MoE. `mapping=None` is TP1.
+EP and sliced by MoE-TP; Engram tables are row-sharded; one fp32 all-reduce per attention and per MoE.
+`mapping=None` is TP1.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def import dspark, engram
-from dsflash.model_def.csa2 import Attention, SourceCache, wide
+from dsflash.model_def.csa2 import Attention, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
-                                      sqrtsoftplus, tp_of)
+                                      sqrtsoftplus, tp_of, wide)
 from dsflash.model_def.names import TensorEntry
 
 ROUTER_NORM_EPS = 1e-20  # `+1e-20` on the routing-weight sum (a literal, not rms_norm_eps)
@@ -131,18 +133,18 @@ def check_topology(args) -> None:
 
 # -- MoE -----------------------------------------------------------------------------------------------------------
 class Gate(nn.Module):
-    """`ffn.gate`: sqrt(softplus(x·Wᵀ / gate_temp)); select with `bias` (`bias_vl` on image tokens), weigh unbiased."""
+    """`ffn.gate`: sqrt(softplus(x·Wᵀ / gate_temp)); select by score + `bias` (`bias_vl` on image tokens)."""
 
     def __init__(self, args, n_experts: int, topk: int, dtype: torch.dtype):
         super().__init__()
-        self.topk, self.temp, self.scale, self.norm = topk, args.gate_temp, args.routed_scaling_factor, \
-            args.norm_topk_prob
+        self.topk, self.temp = topk, args.gate_temp
+        self.scale, self.norm = args.routed_scaling_factor, args.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(n_experts, args.hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
-        """x [N, D], image_mask [N] bool -> (weights [N, k] fp32, expert ids [N, k])."""
+        """x [N, D], image_mask [N] bool -> (weights [N, k], expert ids [N, k])."""
         scores = sqrtsoftplus(F.linear(wide(x), wide(self.weight)) / self.temp)
         bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
         idx = (scores + bias).topk(self.topk, dim=-1).indices

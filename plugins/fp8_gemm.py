@@ -29,11 +29,12 @@ def _fp8_gemm_g32_kernel(
     stride_ps, stride_qs, stride_op, stride_oq, stride_os,
     SPLIT_K,
     P_SDIV: tl.constexpr, Q_SDIV: tl.constexpr, PS_E8M0: tl.constexpr, QS_E8M0: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, KG: tl.constexpr,
     NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr,
 ):
     """acc[p, q] = Σ_kb (P_q[p, kb]·Q_q[q, kb]ᵀ)·ps[p/P_SDIV, kb]·qs[q/Q_SDIV, kb]; operand tiles arrive by TMA
-    (out-of-range rows zero-filled), one 32-wide K block per pipelined iteration."""
+    (out-of-range rows and columns zero-filled), KG 32-wide K blocks per pipelined iteration (KG > 1 only with
+    DEQUANT_BF16, where each operand is scaled per 32-block in registers before one BF16 MMA)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_p = tl.cdiv(P, BLOCK_P)
@@ -53,26 +54,36 @@ def _fp8_gemm_g32_kernel(
     qs_base = qs_ptr + (offs_q // Q_SDIV) * stride_qs
 
     n_kb = K // 32
-    per = tl.cdiv(n_kb, SPLIT_K)
-    kb0 = pid_k * per
-    kb1 = tl.minimum(kb0 + per, n_kb)
+    n_it = tl.cdiv(n_kb, KG)
+    per = tl.cdiv(n_it, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+    g = tl.arange(0, KG)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
-        a = p_desc.load([pid_p * BLOCK_P, kb * 32])        # [BP, 32] e4m3
-        b = q_desc.load([pid_q * BLOCK_Q, kb * 32])        # [BQ, 32] e4m3
-        sp = tl.load(ps_base + kb, mask=mask_p, other=0)
-        sq = tl.load(qs_base + kb, mask=mask_q, other=0)
-        if PS_E8M0:
-            sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        if QS_E8M0:
-            sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    for it in tl.range(it0, it1, num_stages=NUM_STAGES):
+        kb = it * KG
+        a = p_desc.load([pid_p * BLOCK_P, kb * 32])        # [BP, 32·KG] e4m3 (zero-filled past K)
+        b = q_desc.load([pid_q * BLOCK_Q, kb * 32])        # [BQ, 32·KG] e4m3
         if DEQUANT_BF16:
+            gin = (kb + g) < n_kb
+            sp = tl.load(ps_base[:, None] + kb + g[None, :], mask=mask_p[:, None] & gin[None, :], other=0)
+            sq = tl.load(qs_base[:, None] + kb + g[None, :], mask=mask_q[:, None] & gin[None, :], other=0)
+            if PS_E8M0:
+                sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            if QS_E8M0:
+                sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
             # e4m3·2^e is exact in BF16: the same products, accumulated in fp32 on BF16 tensor cores
-            a16 = (a.to(tl.float32) * sp[:, None]).to(tl.bfloat16)
-            b16 = (b.to(tl.float32) * sq[:, None]).to(tl.bfloat16)
-            acc = tl.dot(a16, b16.T, acc)
+            a16 = (a.to(tl.float32).reshape(BLOCK_P, KG, 32) * sp[:, :, None]).reshape(BLOCK_P, KG * 32)
+            b16 = (b.to(tl.float32).reshape(BLOCK_Q, KG, 32) * sq[:, :, None]).reshape(BLOCK_Q, KG * 32)
+            acc = tl.dot(a16.to(tl.bfloat16), b16.to(tl.bfloat16).T, acc)
         else:
-            acc += tl.dot(a, b.T) * (sp[:, None] * sq[None, :])   # fp32 promotion every 32 K
+            sp = tl.load(ps_base + kb, mask=mask_p, other=0)
+            sq = tl.load(qs_base + kb, mask=mask_q, other=0)
+            if PS_E8M0:
+                sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            if QS_E8M0:
+                sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            acc += tl.dot(a, b.T) * (sp[:, None] * sq[None, :])   # fp32 promotion every 32 K (KG == 1)
     out = (out_ptr + pid_k * stride_os + offs_p.to(tl.int64)[:, None] * stride_op
            + offs_q.to(tl.int64)[None, :] * stride_oq)
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
@@ -133,15 +144,15 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     split = cfg.split_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q), split)
-    p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK])
-    q_desc = TensorDescriptor(qq, [Q, k], [qq.stride(0), 1], [cfg.block_q, QBLOCK])
+    p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK * cfg.kgroups])
+    q_desc = TensorDescriptor(qq, [Q, k], [qq.stride(0), 1], [cfg.block_q, QBLOCK * cfg.kgroups])
     _fp8_gemm_g32_kernel[grid](
         p_desc, q_desc, ps, qs, dst,
         P, Q, k,
         ps.stride(0), qs.stride(0), stride_op, stride_oq, m * n,
         split,
         P_SDIV=p_div, Q_SDIV=q_div, PS_E8M0=ps_e8, QS_E8M0=qs_e8,
-        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, GROUP_P=cfg.group_p,
+        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, GROUP_P=cfg.group_p, KG=cfg.kgroups,
         NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, num_warps=cfg.num_warps)
     if split > 1:
         block = 1024

@@ -24,7 +24,7 @@ class GemmConfig:
     block_p/block_q: tile rows/cols; one 32-wide K block (one fp32 promotion) per pipelined loop iteration,
     num_stages of them in flight; split_k: K slices reduced in fp32 by a second kernel; dequant_bf16: dequantize both
     operands to BF16 in registers and accumulate on BF16 tensor cores instead of FP8 MMA + per-32 promotion (same
-    numerics: every product is exact, accumulation fp32).
+    numerics: every product is exact, accumulation fp32); kgroups: 32-blocks per iteration (dequant_bf16 only).
     """
     block_p: int = 128
     block_q: int = 128
@@ -34,6 +34,7 @@ class GemmConfig:
     swap_ab: bool = False
     dequant_bf16: bool = False
     group_p: int = 8
+    kgroups: int = 1
 
     def __post_init__(self) -> None:
         for f in ("block_p", "block_q"):
@@ -42,6 +43,8 @@ class GemmConfig:
         assert self.block_p <= 256 and self.block_q <= 256, "TMA boxes are at most 256 rows"
         assert self.split_k >= 1 and self.num_stages >= 1, self
         assert self.num_warps in (4, 8), self
+        assert self.kgroups in (1, 2, 4) and (self.kgroups == 1 or self.dequant_bf16), \
+            "several 32-blocks per iteration need dequant_bf16 (FP8 MMA promotes every 32 K)"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -52,7 +55,7 @@ class GemmConfig:
 
     def tag(self) -> str:
         return (f"{'T' if self.swap_ab else 'N'}{self.block_p}x{self.block_q}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}{'_dq' if self.dequant_bf16 else ''}")
+                f"w{self.num_warps}st{self.num_stages}{f'_dq{self.kgroups}' if self.dequant_bf16 else ''}")
 
 
 def m_bucket(m: int) -> int:
@@ -79,13 +82,14 @@ def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: i
 
 
 def default_config(n: int, k: int, m: int) -> GemmConfig:
-    """A valid config for any shape (K % 32 == 0): swap-AB GEMV-like tiles for M <= 64, 128×128 otherwise."""
+    """A valid config for any shape (K % 32 == 0): swap-AB GEMV-like tiles for M <= 64, 128×64 otherwise (the
+    FP8-MMA winner of the first H200 sweep; bigger tiles need more registers than the per-32 promotion leaves)."""
     kb = _cdiv(k, 32)
     if m <= 64:
         bq = max(16, _next_pow2(m))
         stages = 8 if bq <= 16 else (6 if bq <= 32 else 4)
         return GemmConfig(128, bq, _split_for(_cdiv(n, 128), kb), 4, stages, swap_ab=True)
-    return GemmConfig(128, 128, _split_for(_cdiv(m, 128) * _cdiv(n, 128), kb, target=NUM_SMS), 8, 4)
+    return GemmConfig(128, 64, _split_for(_cdiv(m, 128) * _cdiv(n, 64), kb, target=NUM_SMS), 4, 6)
 
 
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
@@ -94,15 +98,23 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
     out = [default_config(n, k, m)]
     if m <= 64:
         bq = max(16, _next_pow2(m))
-        for bp, stages, warps, target in ((128, 12, 4, 2 * NUM_SMS), (64, 10, 4, 2 * NUM_SMS),
-                                          (128, 8, 4, 4 * NUM_SMS), (256, 6, 8, 2 * NUM_SMS)):
+        for bp, stages, warps, target in ((128, 12, 4, 2 * NUM_SMS), (128, 8, 4, 4 * NUM_SMS),
+                                          (256, 6, 8, 2 * NUM_SMS)):
             if bq >= 64 and stages > 6:
                 stages = 6
             out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), kb, target), warps, stages, swap_ab=True))
+        # dequantize-to-BF16 variants moving 128 K per iteration (fewer, larger TMA transactions)
+        for bp, kg, stages, warps in ((128, 4, 4, 4), (256, 4, 4, 8), (128, 2, 6, 4)):
+            if bq >= 64:
+                stages = min(stages, 3)
+            out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), _cdiv(kb, kg)), warps, stages, swap_ab=True,
+                                  dequant_bf16=True, kgroups=kg))
     else:
-        for cfg in (GemmConfig(128, 128, 1, 8, 6), GemmConfig(128, 64, 1, 4, 6),
-                    GemmConfig(128, 128, 1, 8, 4, dequant_bf16=True), GemmConfig(128, 256, 1, 8, 4, dequant_bf16=True)):
-            split = _split_for(_cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q), kb, target=NUM_SMS)
+        for cfg in (GemmConfig(128, 128, 1, 8, 4), GemmConfig(64, 128, 1, 4, 6),
+                    GemmConfig(128, 256, 1, 8, 3, dequant_bf16=True, kgroups=2),
+                    GemmConfig(128, 128, 1, 8, 3, dequant_bf16=True, kgroups=4),
+                    GemmConfig(128, 256, 1, 8, 4, dequant_bf16=True)):
+            split = _split_for(_cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q), _cdiv(kb, cfg.kgroups), target=NUM_SMS)
             out.append(dataclasses.replace(cfg, split_k=split))
     seen, uniq = set(), []
     for c in out:

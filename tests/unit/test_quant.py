@@ -77,3 +77,9 @@ def test_bad_scale_shape_is_rejected():
 def test_hadamard_orthonormal():
     x = torch.randn(3, 128)
     assert torch.allclose(Q.hadamard(Q.hadamard(x)), x, atol=1e-5)
+
+
+def test_fake_quant_fp8_short_tail_block_equals_zero_padding():
+    x = torch.randn(3, 96)
+    padded = torch.nn.functional.pad(x, (0, 32))
+    assert torch.equal(Q.fake_quant_fp8(x, 128), Q.fake_quant_fp8(padded, 128)[:, :96])

@@ -3,7 +3,6 @@ and tensor-parallel local shapes."""
 import math
 
 import pytest
-import torch
 
 from dsflash.model_def import build_model
 from dsflash.model_def.config import get_preset

@@ -1,0 +1,307 @@
+"""The serving engine: requests in, per-step outputs out (`LLMEngine`), and its asyncio front (`AsyncLLMEngine`).
+
+Shape of nano-vllm's engine (style-anchors §1.1): `Sequence` -> `BlockManager` (paged KV accounting) ->
+`Scheduler` (FCFS, chunked prefill, preemption by recompute) -> `ModelRunner` -> this loop, under
+`dsflash.serve.runtime`. On a multi-rank engine rank 0 builds the `LLMEngine` (it owns scheduling and sampling and
+sends each step's plan to the workers); ranks > 0 run `worker_loop(engine_dir)`.
+
+Thread safety: `add_request`, `abort` and `stats` may be called from any thread while another thread runs `step`
+(the model runs outside the lock; a request aborted meanwhile is dropped when the step completes).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from dsflash.serve.runtime.block_manager import BlockManager, cache_layout, kv_cache_capacity
+from dsflash.serve.runtime.model_runner import ModelRunner
+from dsflash.serve.runtime.sampling import SamplingParams, sample, token_logprobs
+from dsflash.serve.runtime.scheduler import QueueFullError, Scheduler
+from dsflash.serve.runtime.sequence import Output, Request, Sequence, Status
+from dsflash.serve.runtime.worker import ControlPlane, abort_job, connect, worker_loop
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "LLMEngine", "Output", "QueueFullError", "Request", "SamplingParams",
+           "worker_loop"]
+log = logging.getLogger("dsflash.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; no request can be served any more."""
+
+
+class LLMEngine:
+    """Rank 0's engine over an engine dir. Limits default to the engine's build_config (overrides may only lower
+    them); the KV-cache pool is `kv_cache_bytes`, else `kv_cache_free_gpu_memory_fraction` of free device memory."""
+
+    def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
+                 kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,
+                 max_num_tokens: int | None = None, max_seq_len: int | None = None, block_size: int = 64,
+                 model=None):
+        rank, self.world, mpi, comm = connect(engine_dir)
+        if rank != 0:
+            raise RuntimeError(f"LLMEngine runs on rank 0; rank {rank} must run worker_loop(engine_dir)")
+        self._control = ControlPlane(mpi) if self.world > 1 else None
+        try:
+            self.runner = ModelRunner(engine_dir, 0, comm, model=model, control=self._control)
+            local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
+            cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction}
+            capacity = self._control.agree_capacity(cfg, local) if self._control else local
+        except Exception as e:
+            if self.world > 1:
+                abort_job(0, "engine start failed", e)
+            raise
+        built = self.runner.engine.meta["build_config"]
+        self.max_batch_size = _limit("max_batch_size", max_batch_size, built)
+        self.max_num_tokens = _limit("max_num_tokens", max_num_tokens, built)
+        self.max_seq_len = _limit("max_seq_len", max_seq_len, built)
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.args = self.runner.args
+        self.cache = BlockManager(cache_layout(self.args, block_size), capacity)
+        self.scheduler = Scheduler(self.cache, self.max_num_tokens, self.max_batch_size, max_queue)
+        self.tokenizer = _tokenizer(engine_dir, self.args.bos_token_id)
+        self.model_name = Path(engine_dir).resolve().name
+        self._seqs: dict[str, Sequence] = {}
+        self._released: list[str] = []      # request ids whose worker states are dropped with the next plan
+        self._aborted: list[Output] = []
+        self._lock = threading.RLock()
+        self._closed = False
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request. ValueError: it is malformed or can never be served; QueueFullError: overload."""
+        if not isinstance(req.params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        ids, vocab = req.prompt_ids, self.args.vocab_size
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt token ids must be a non-empty list")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len of this engine is {self.max_seq_len} "
+                             f"(prompt + at least one new token)")
+        if req.params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer (tokenizer.json missing from the engine)")
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("engine is shut down")
+            if req.request_id in self._seqs:
+                raise ValueError(f"request_id {req.request_id!r} is already in use")
+            seq = Sequence(req, self.tokenizer, self.args.eos_token_id)
+            self.scheduler.check_fits(seq, self.max_seq_len)
+            self.scheduler.add(seq)
+            self._seqs[req.request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache pages; the next step() reports it finished with reason "abort"."""
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                return
+            self.scheduler.remove(seq)
+            self._released.append(request_id)
+            seq.finish_reason = "abort"
+            self._aborted.append(Output(request_id, [], True, "abort", None, seq.num_prompt, seq.num_generated,
+                                        seq.text.take(final=True)))
+
+    def abort_all(self) -> None:
+        with self._lock:
+            for rid in list(self._seqs):
+                self.abort(rid)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work() or bool(self._aborted)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """One scheduler iteration: prompt chunks and decodes of the scheduled requests; one Output per request
+        that got a token (plus those aborted since the last step)."""
+        with self._lock:
+            outputs, self._aborted = self._aborted, []
+            batch = self.scheduler.schedule()
+            released = self._released + [s.request_id for s in batch.preempted]
+            self._released = []
+        logits = {}
+        if batch.segments or (released and self._control is not None):
+            try:
+                logits = self.runner.run(batch, released)
+            except Exception as e:
+                if self._control is not None:
+                    abort_job(0, "model step failed", e)
+                raise
+        with self._lock:
+            for seq, lg in logits.items():
+                if seq.status is Status.RUNNING:
+                    outputs.append(self._emit(seq, lg))
+        return outputs
+
+    def _emit(self, seq: Sequence, logits) -> Output:
+        p = seq.params
+        token = sample(logits, p, seq.generator)
+        lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None
+        if seq.num_generated == 0:
+            self.prompt_tokens_total += seq.num_prompt
+        self.generation_tokens_total += 1
+        seq.append(token, p.max_tokens, self.max_seq_len)
+        done = seq.finish_reason is not None
+        out = Output(seq.request_id, [token], done, seq.finish_reason, lp, seq.num_prompt, seq.num_generated,
+                     seq.text.take(final=done))
+        if done:
+            self.scheduler.remove(seq)
+            self._seqs.pop(seq.request_id, None)
+            self._released.append(seq.request_id)
+        return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = self.cache
+            return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                    "kv_cache_usage": c.usage, "kv_cache_used_blocks": c.num_used,
+                    "kv_cache_total_blocks": c.total_blocks, "kv_cache_free_blocks": c.num_free,
+                    "kv_cache_block_bytes": c.layout.bytes_per_block, "kv_cache_block_tokens": c.layout.block_size,
+                    "num_preemptions": self.scheduler.num_preemptions,
+                    "prompt_tokens_total": self.prompt_tokens_total,
+                    "generation_tokens_total": self.generation_tokens_total}
+
+    def shutdown(self) -> None:
+        """Abort what is left, stop the workers (multi-rank) and refuse new requests. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self.abort_all()
+            self._closed = True
+        if self._control is not None:
+            self._control.shutdown()
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _limit(name: str, value: int | None, built: dict) -> int:
+    cap = int(built[name])
+    if value is None:
+        return cap
+    if not 1 <= value <= cap:
+        raise ValueError(f"{name} must be in [1, {cap}] (the engine was built with {name}={cap}), got {value}")
+    return value
+
+
+def _tokenizer(engine_dir: str, bos: int):
+    from dsflash.serve.tokenization import DeepseekTokenizer, TokenizerError
+    try:
+        return DeepseekTokenizer(engine_dir, bos_token_id=bos)
+    except TokenizerError as e:
+        log.warning("%s: stop strings and text output are disabled", e)
+        return None
+
+
+class AsyncLLMEngine:
+    """Runs `LLMEngine.step()` in a background thread; each `generate()` call streams its request's Outputs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = self._draining = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="dsflash-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._thread.is_alive() and not self._draining and self.error is None
+
+    async def generate(self, req: Request) -> AsyncIterator[Output]:
+        """Stream the request's Outputs until one is finished. Leaving early (client gone) aborts it."""
+        if self.error is not None or self._stop:
+            raise EngineDeadError(f"engine is not running ({self.error or 'shut down'})")
+        if self._draining:
+            raise QueueFullError("server is shutting down")
+        rid = req.request_id
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(req)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking requests, let the running ones finish for up to `timeout` s, then abort the rest.
+        True when everything finished in time."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.engine.has_work() and loop.time() < deadline and self.error is None:
+            await asyncio.sleep(0.02)
+        clean = not self.engine.has_work()
+        if not clean:
+            self.engine.abort_all()
+            self._wake.set()
+            while self._queues and self._thread.is_alive() and loop.time() < deadline + 5:
+                await asyncio.sleep(0.02)
+        return clean
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+        self.engine.shutdown()
+
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._queues.get(rid)
+        if entry is not None:
+            loop, queue = entry
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: nobody listens any more
+                pass
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail every waiting client instead of hanging them
+                log.exception("engine step failed; the engine is stopped")
+                self.error = e
+                for rid in list(self._queues):
+                    self._deliver(rid, EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
