@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tqdm import tqdm
 from dsflash.build.plan import ARCH_LAYOUT, BuildConfig, expert_widths, plan_ranks
 from dsflash.build.shard import cut_stored
 from dsflash.build.source import open_source
+from dsflash.convert.atomic import atomic_dir
 from dsflash.model_def import build_model
 from dsflash.model_def.config import args_from_hf_dict
 from dsflash.model_def.mapping import Mapping
@@ -59,10 +59,7 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
     out = Path(out)
     if out.exists():
         raise EngineError(f"{out}: output directory already exists")
-    tmp = out.with_name(out.name + ".tmp-build")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, "tmp-build") as tmp:
         ranks = []
         for plan in plans:
             tensors: dict[str, torch.Tensor] = {}
@@ -93,10 +90,6 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
         (tmp / ENGINE_FILE).write_text(json.dumps(engine, indent=2))
         verify_engine(tmp)
         src.copy_tokenizer(tmp)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from dsflash.convert.atomic import atomic_dir
 from dsflash.model_def.config import ModelArgs, get_preset
 from dsflash.model_def.names import TensorEntry, tensor_table
 from dsflash.model_def.quant import quant_fp8_block, quant_fp8_rows32, quant_mxfp4
@@ -102,12 +103,7 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
                progress: bool = False) -> Path:
     """Write a random checkpoint for `args` to `out` (atomically: temp dir, then rename). Returns `out`."""
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out}: output directory already exists")
-    tmp = out.with_name(out.name + ".tmp-synth")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, "tmp-synth") as tmp:
         table = tensor_table(args)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -135,10 +131,6 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
         src = tokenizer_source_dir()
         for f in TOKENIZER_FILES:
             shutil.copyfile(src / f, tmp / f)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -76,7 +76,7 @@ def test_pool_grows_block_by_block_and_frees():
     assert bm.num_used == 5 and bm.usage == 0.5
     bm.grow("b", 8)
     assert bm.num_free == 1 and not bm.can_hold("b", 9 + 4) and bm.can_hold("b", 12)
-    assert not bm.can_hold("c", 1) and bm.can_hold("a", 12) and not bm.can_hold("a", 12, reserve=1)
+    assert not bm.can_hold("c", 1) and bm.can_hold("a", 13) and not bm.can_hold("a", 13, reserve=1)
     with pytest.raises(RuntimeError, match="exhausted"):
         bm.grow("c", 1)
     pages = set(bm.tables["a"]) | set(bm.tables["b"])
