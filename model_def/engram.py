@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def.layers import Linear, LocalComm, Numerics
+from dsflash.model_def.layers import Linear, LocalComm, Numerics, wide
 from dsflash.model_def.mapping import split_rows
 from dsflash.model_def.names import TensorEntry
 
@@ -271,15 +271,15 @@ class Engram(nn.Module):
         local = row_ids - self.row_start
         here = (local >= 0) & (local < self.embed.weight.shape[0])
         rows = F.embedding(local.clamp(0, self.embed.weight.shape[0] - 1), self.embed.weight)
-        rows = self.comm.all_reduce(rows.float() * here.unsqueeze(-1)).flatten(-2)  # [B,S,K*hd], exact fp8 values
+        rows = self.comm.all_reduce(wide(rows) * here.unsqueeze(-1)).flatten(-2)  # [B,S,K*hd], exact fp8 values
         kv = self.wkv(rows.to(self.wkv.weight.dtype))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)          # keys first, then the value
-        key = key.float().unflatten(-1, (self.hc_mult, self.dim))
-        h = x.float()
-        gate = engram_gate(h, key, self.q_weight.float() * self.k_weight.float(), self.eps)   # [B,S,n]
+        key = wide(key).unflatten(-1, (self.hc_mult, self.dim))
+        h = wide(x)
+        gate = engram_gate(h, key, wide(self.q_weight) * wide(self.k_weight), self.eps)   # [B,S,n]
         if valid is not None:
             gate = gate.masked_fill(~valid.unsqueeze(-1), 0.0)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+        return (h + gate.unsqueeze(-1) * wide(value).unsqueeze(-2)).to(x.dtype)
 
 
 def tensor_entries(args, layer_id: int) -> list[TensorEntry]:

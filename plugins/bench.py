@@ -125,7 +125,7 @@ def measure_ceilings() -> dict:
             a16 @ b16.t()
         torch.cuda.synchronize()
     n = 1 << 31
-    src = torch.randn(n // 4, device=DEV).view(torch.bfloat16)   # 2^31 bf16 elements = 4.3 GB
+    src = torch.randn(n // 4, device=DEV).view(torch.bfloat16)   # 2^30 bf16 elements: 4.3 GB moved per copy
     dst = torch.empty_like(src)
     t_copy = _event_time_us(lambda: dst.copy_(src))
     t_neg = _event_time_us(lambda: torch.neg(src, out=dst))
@@ -247,7 +247,7 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
 
 def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[dict]:
     from dsflash.plugins.act_quant import act_quant_dequant
-    from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm
+    from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm, tile_weight
     rows = []
     one = torch.ones((), device=DEV)
     # decode and large-M first (the targets), should the time budget run out
@@ -259,13 +259,13 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 continue
             shape = f"{name}[{tp}] {n}x{k}"
             try:
-                nb_w = n * k + (n // 32) * (k // 32)
+                nb_w = n * k + (n // 32) * (k // 32) * 4
                 nbytes = nb_w + m * k * (1 + 4 / 32) + m * n * 2
                 n_sets = _n_sets(nb_w + m * k)
                 ws = []
                 for _ in range(n_sets):
                     w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
-                    ws.append((w_q, w_s))
+                    ws.append((w_q, refs.scale_to_fp32(w_s).contiguous()))   # fp32 scales: see fp8_gemm()
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 acts = [refs.act_quant_ref(x) for x in xs]
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
@@ -277,11 +277,16 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 # FP8 kernel: every candidate config
                 best = default_row = None
                 tried = []
+                tiled = {}
                 for cfg in tuning.candidates(n, k, m):
                     try:
-                        out = fp8_gemm(*acts[0], *ws[0], cfg)
+                        if cfg.tiled_w and (cfg.block_p, cfg.kgroups) not in tiled:
+                            tiled[(cfg.block_p, cfg.kgroups)] = [tile_weight(wp[0], cfg) for wp in ws]
+                        wt = tiled[(cfg.block_p, cfg.kgroups)] if cfg.tiled_w else [None] * n_sets
+                        out = fp8_gemm(*acts[0], *ws[0], cfg, w_tiled=wt[0])
                         err = refs.rel_err(out, ref32)
-                        us, how = _graph_time_us([lambda i=i, c=cfg: fp8_gemm(*acts[i], *ws[i], c) for i in range(n_sets)])
+                        us, how = _graph_time_us([lambda i=i, c=cfg, wt=wt: fp8_gemm(*acts[i], *ws[i], c, w_tiled=wt[i])
+                                                  for i in range(n_sets)])
                     except Exception as e:  # a config that fails to compile/launch is reported, not fatal
                         rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),
                                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -318,7 +323,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 path = "fp8" if best["us"] <= us16 else "bf16cache"
                 tuned[tuning.key_str(n, k, tuning.m_bucket(m))] = {"path": path, "config": best["cfg"],
                                                                    "fp8_us": best["us"], "bf16cache_us": us16}
-                del ws, xs, acts, w16
+                del ws, xs, acts, w16, tiled
             except Exception as e:
                 rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc()[-2000:]})

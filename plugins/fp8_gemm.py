@@ -19,6 +19,7 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
+from dsflash.plugins.refs import scale_to_fp32 as refs_scale_to_fp32
 from dsflash.plugins.tuning import GemmConfig
 
 
@@ -30,7 +31,7 @@ def _fp8_gemm_g32_kernel(
     SPLIT_K,
     P_SDIV: tl.constexpr, Q_SDIV: tl.constexpr, PS_E8M0: tl.constexpr, QS_E8M0: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, KG: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr, P_TILED: tl.constexpr,
 ):
     """acc[p, q] = Σ_kb (P_q[p, kb]·Q_q[q, kb]ᵀ)·ps[p/P_SDIV, kb]·qs[q/Q_SDIV, kb]; operand tiles arrive by TMA
     (out-of-range rows and columns zero-filled), KG 32-wide K blocks per pipelined iteration (KG > 1 only with
@@ -62,7 +63,10 @@ def _fp8_gemm_g32_kernel(
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     for it in tl.range(it0, it1, num_stages=NUM_STAGES):
         kb = it * KG
-        a = p_desc.load([pid_p * BLOCK_P, kb * 32])        # [BP, 32·KG] e4m3 (zero-filled past K)
+        if P_TILED:   # P pre-tiled [P/BP, K/(32·KG), BP, 32·KG]: one contiguous box per iteration
+            a = p_desc.load([(pid_p * n_it + it) * BLOCK_P, 0])
+        else:
+            a = p_desc.load([pid_p * BLOCK_P, kb * 32])    # [BP, 32·KG] e4m3 (zero-filled past K)
         b = q_desc.load([pid_q * BLOCK_Q, kb * 32])        # [BQ, 32·KG] e4m3
         if DEQUANT_BF16:
             gin = (kb + g) < n_kb
@@ -106,13 +110,35 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return s.view(torch.uint8), True
 
 
+def weight_scales_fp32(w_s: torch.Tensor) -> torch.Tensor:
+    """e8m0 32×32 block scales -> fp32 (exact), the form the GEMM kernel streams fastest. Once, at load time."""
+    return refs_scale_to_fp32(w_s).contiguous()
+
+
+def tile_weight(w_q: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
+    """Re-lay an e4m3 [N, K] weight for a `tiled_w` (swap-AB) config: [N/BP, K/BK, BP, BK] (zero-padded), viewed 2-D,
+    so every TMA box the kernel loads is one contiguous BP·BK-byte block (DRAM-friendly decode streaming).
+    Done once at build time; the kernel reads it instead of w_q."""
+    assert cfg.swap_ab and cfg.tiled_w, cfg
+    n, k = w_q.shape
+    bp, bk = cfg.block_p, QBLOCK * cfg.kgroups
+    nt, kt = -(-n // bp), -(-k // bk)
+    pad = torch.zeros((nt * bp, kt * bk), dtype=torch.uint8, device=w_q.device)
+    pad[:n, :k] = w_q.view(torch.uint8)
+    return pad.view(nt, bp, kt, bk).permute(0, 2, 1, 3).contiguous().view(nt * kt * bp, bk).view(E4M3)
+
+
 def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-             config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+             config: GemmConfig | None = None, out: torch.Tensor | None = None,
+             w_tiled: torch.Tensor | None = None) -> torch.Tensor:
     """Group-32 FP8 GEMM -> BF16 [M, N].
 
     a_q e4m3 [M, K] (row stride free, K contiguous), a_s [M, K/32] fp32|e8m0 (K/32 contiguous),
-    w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] e8m0|fp32 contiguous; K % 32 == 0.
-    config: tiles (default: tuning.get_config(N, K, M)); out: optional BF16 [M, N] contiguous.
+    w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] fp32|e8m0 contiguous; K % 32 == 0.
+    Pass fp32 scales (`weight_scales_fp32(w_s)` once at load): 1-byte e8m0 loads cannot use cp.async, so Triton
+    leaves them synchronous inside the K loop (a memory latency per iteration, ~2× slower decode on the H200).
+    config: tiles (default: tuning.get_config(N, K, M)); out: optional BF16 [M, N] contiguous;
+    w_tiled: tile_weight(w_q, config), required by (and only used with) a `tiled_w` config.
     """
     assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
@@ -144,7 +170,14 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     split = cfg.split_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q), split)
-    p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK * cfg.kgroups])
+    if cfg.tiled_w:
+        bk = QBLOCK * cfg.kgroups
+        rows = triton.cdiv(n, cfg.block_p) * triton.cdiv(k, bk) * cfg.block_p
+        assert w_tiled is not None and w_tiled.shape == (rows, bk) and w_tiled.dtype == E4M3, \
+            "a tiled_w config needs w_tiled = tile_weight(w_q, config)"
+        p_desc = TensorDescriptor(w_tiled, [rows, bk], [bk, 1], [cfg.block_p, bk])
+    else:
+        p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK * cfg.kgroups])
     q_desc = TensorDescriptor(qq, [Q, k], [qq.stride(0), 1], [cfg.block_q, QBLOCK * cfg.kgroups])
     _fp8_gemm_g32_kernel[grid](
         p_desc, q_desc, ps, qs, dst,
@@ -153,7 +186,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         split,
         P_SDIV=p_div, Q_SDIV=q_div, PS_E8M0=ps_e8, QS_E8M0=qs_e8,
         BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, GROUP_P=cfg.group_p, KG=cfg.kgroups,
-        NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, num_warps=cfg.num_warps)
+        NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, P_TILED=cfg.tiled_w, num_warps=cfg.num_warps)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, split, BLOCK=block, num_warps=4)

@@ -24,7 +24,8 @@ class GemmConfig:
     block_p/block_q: tile rows/cols; one 32-wide K block (one fp32 promotion) per pipelined loop iteration,
     num_stages of them in flight; split_k: K slices reduced in fp32 by a second kernel; dequant_bf16: dequantize both
     operands to BF16 in registers and accumulate on BF16 tensor cores instead of FP8 MMA + per-32 promotion (same
-    numerics: every product is exact, accumulation fp32); kgroups: 32-blocks per iteration (dequant_bf16 only).
+    numerics: every product is exact, accumulation fp32); kgroups: 32-blocks per iteration (dequant_bf16 only);
+    tiled_w: the weight was re-laid by `fp8_gemm.tile_weight` at build time so each TMA box is contiguous.
     """
     block_p: int = 128
     block_q: int = 128
@@ -35,6 +36,7 @@ class GemmConfig:
     dequant_bf16: bool = False
     group_p: int = 8
     kgroups: int = 1
+    tiled_w: bool = False
 
     def __post_init__(self) -> None:
         for f in ("block_p", "block_q"):
@@ -45,6 +47,7 @@ class GemmConfig:
         assert self.num_warps in (4, 8), self
         assert self.kgroups in (1, 2, 4) and (self.kgroups == 1 or self.dequant_bf16), \
             "several 32-blocks per iteration need dequant_bf16 (FP8 MMA promotes every 32 K)"
+        assert not self.tiled_w or self.swap_ab, "tiled weights are for the swap-AB (decode) orientation"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -55,7 +58,8 @@ class GemmConfig:
 
     def tag(self) -> str:
         return (f"{'T' if self.swap_ab else 'N'}{self.block_p}x{self.block_q}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}{f'_dq{self.kgroups}' if self.dequant_bf16 else ''}")
+                f"w{self.num_warps}st{self.num_stages}{f'_dq{self.kgroups}' if self.dequant_bf16 else ''}"
+                f"{'_tw' if self.tiled_w else ''}")
 
 
 def m_bucket(m: int) -> int:
@@ -109,6 +113,12 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                 stages = min(stages, 3)
             out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), _cdiv(kb, kg)), warps, stages, swap_ab=True,
                                   dequant_bf16=True, kgroups=kg))
+        # the same on build-time tiled weights (one contiguous 4-16 KB block per TMA box)
+        for bp, kg, stages, dq in ((128, 4, 4, True), (128, 4, 6, True), (128, 1, 8, False), (64, 4, 6, True)):
+            if bq >= 64:
+                stages = min(stages, 3)
+            out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), _cdiv(kb, kg)), 4, stages, swap_ab=True,
+                                  dequant_bf16=dq, kgroups=kg, tiled_w=True))
     else:
         for cfg in (GemmConfig(128, 128, 1, 8, 4), GemmConfig(64, 128, 1, 4, 6),
                     GemmConfig(128, 256, 1, 8, 3, dequant_bf16=True, kgroups=2),

@@ -73,7 +73,9 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request. ValueError: it is malformed or can never be served; QueueFullError: overload."""
+        """Queue a request. ValueError: it is malformed or can never be served (prompt >= max_seq_len, or its
+        longest possible sequence cannot fit the cache pool); QueueFullError: overload. Generation stops with
+        "length" at max_tokens or at max_seq_len, whichever comes first."""
         if not isinstance(req.params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         ids, vocab = req.prompt_ids, self.args.vocab_size
@@ -270,7 +272,7 @@ class AsyncLLMEngine:
         if not clean:
             self.engine.abort_all()
             self._wake.set()
-            while self._queues and self._thread.is_alive() and loop.time() < deadline + 5:
+            while self.engine.has_work() and self._thread.is_alive() and loop.time() < deadline + 5:
                 await asyncio.sleep(0.02)
         return clean
 

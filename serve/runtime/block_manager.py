@@ -1,9 +1,10 @@
 """KV-cache accounting in pages: the engine's real per-request cache formats, in blocks of `block_size` tokens.
 
-A request holds (a) growing caches — entries emitted every r-th token for a stream of compress ratio r — and (b) fixed
-state that does not grow with the sequence (sliding-window rows, compressor partial-group buffers). Both come out of
-one pool of `bytes_per_block`-byte pages: the fixed state takes `state_blocks` pages when the request is admitted,
-the growing caches one page per `block_size` tokens.
+A request holds (a) growing caches — entries emitted every r-th token for a stream of compress ratio r — and (b)
+fixed state that does not grow with the sequence (sliding-window rows, compressor partial-group buffers). Both come
+out of one pool of `bytes_per_block`-byte pages: the fixed state takes `state_blocks` pages when the request is
+admitted, the growing caches one page per `block_size` tokens (a ratio r > block_size stream counts block_size/r
+of an entry per page, e.g. V4's ratio-128 entries half per 64-token page).
 
 Formats (architecture.md §4):
 - V4.1 (CSA2), per KV source: FP4 compressed latent = head_dim/2 packed e2m1 + head_dim/16 e4m3 scales (288 B at

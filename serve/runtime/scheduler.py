@@ -3,7 +3,8 @@
 Each step holds at most `max_num_tokens` tokens and `max_batch_size` requests (running requests never exceed it).
 Order within a step: (1) prompt chunks / recomputation of running requests, oldest first; (2) waiting requests in
 arrival order while a slot, the token budget and the pages for all their known tokens allow (head of line blocks:
-no overtaking), keeping back the pages the running decodes need this step (pages are still taken block by block); (3) one decode token per running request, oldest first.
+no overtaking), keeping back the pages the running decodes need this step (pages are still taken block by block);
+(3) one decode token per running request, oldest first.
 
 Prompts are cut at fixed multiples of max_num_tokens and a chunk is never split to fill a budget, so the sequence
 of model calls a request sees never depends on its neighbours (batch invariance is exact). When a running request
@@ -99,6 +100,8 @@ class Scheduler:
         reserve = sum(self.blocks.needed(s.request_id, s.num_computed + 1) for s in self.running if s.is_decode)
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq in batch.preempted:      # just preempted: not back in the same step
+                break
             start, end = seq.next_segment(0, self.max_num_tokens)
             if end - start > self._budget(batch) or not self.blocks.can_hold(seq.request_id, len(seq), reserve):
                 break

@@ -94,7 +94,6 @@ class Sequence:
         self.stop_ids = frozenset(stops)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.first_token_time: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

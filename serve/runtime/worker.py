@@ -93,8 +93,10 @@ def worker_loop(engine_dir: str) -> int:
             for rid in msg["free"]:
                 states.pop(rid, None)
             for rid, ids, reset in msg["run"]:
-                if reset or rid not in states:
+                if reset:
                     states[rid] = runner.model.new_state(1)
+                elif rid not in states:
+                    raise RuntimeError(f"plan continues request {rid!r}, but this rank holds no state for it")
                 runner.forward(states[rid], ids)
     except Exception as e:  # noqa: BLE001 - any failure must stop the job, not hang rank 0 in a collective
         abort_job(rank, "worker failed", e)

@@ -28,15 +28,6 @@ from dsflash.serve.cli import main as dsflash_main
 SHARD = "4MB"  # small shards so every checkpoint spans several
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The format math is tiny here; one intra-op thread avoids barrier overhead on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")

@@ -11,21 +11,11 @@ import pytest
 import torch
 
 from dsflash.convert.synth import synthesize
-from dsflash.model_def import layers, load_reference
+from dsflash.model_def import load_reference
 from dsflash.model_def.config import get_preset
 
 PROMPT, NEW = 9, 300
 CHUNKS = (1, 2, 5, 3, 17, 1, 31, 64, 7, 33, 2, 40, 11, 92)  # sums to PROMPT + NEW
-
-
-def layers_keep_fp64() -> bool:
-    """Whether layers.py's fp32 math keeps fp64 inputs in fp64 (then every comparison here can be exact)."""
-    x = torch.ones(1, 1, 1, 4, dtype=torch.float64)
-    allowed = torch.ones(1, 1, 1, dtype=torch.bool)
-    return (layers.rms_norm(x, 1e-6).dtype == torch.float64
-            and layers.sink_attention(x, x[:, 0], allowed, torch.zeros(1), 1.0).dtype == torch.float64
-            and layers.hc_mix(x.flatten(-2), torch.ones(24, 4), torch.zeros(24), torch.ones(3), 4, 2, 1e-6,
-                              1e-6)[0].dtype == torch.float64)
 
 
 def check_chain(out: torch.Tensor, full: torch.Tensor, prompt: int, min_exact: float = 0.97) -> None:
@@ -35,26 +25,12 @@ def check_chain(out: torch.Tensor, full: torch.Tensor, prompt: int, min_exact: f
     rare grid flips that cascade, and only near-total agreement can be required."""
     lg, chosen = full[:, prompt - 1:-1], out[:, prompt:]
     gap = lg.max(-1).values - lg.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-    if layers_keep_fp64():
-        assert gap.max().item() <= 1e-9, f"decode picked a non-argmax token (gap {gap.max().item():.3g})"
-    else:
-        assert (gap <= 1e-9).float().mean().item() >= min_exact
+    assert gap.max().item() <= 1e-9, f"decode picked a non-argmax token (gap {gap.max().item():.3g})"
 
 
 def check_close(got: torch.Tensor, full: torch.Tensor, fallback_median: float = 1e-4) -> None:
     d = (got - full).abs().amax(-1)
-    if layers_keep_fp64():
-        assert d.max().item() < 1e-5, d.max().item()
-    else:
-        assert d.median().item() < fallback_median, (d.median().item(), d.max().item())
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model is op-overhead bound; threads only add contention
-    yield
-    torch.set_num_threads(n)
+    assert d.max().item() < 1e-5, d.max().item()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +89,8 @@ def test_image_tokens_route_with_bias_vl_and_block_engram(model):
     mask = torch.zeros(1, 24, dtype=torch.bool)
     mask[0, 10:14] = True
     base, img = model.logits(ids), model.logits(ids, image_mask=mask)
-    assert torch.equal(base[:, :10], img[:, :10])   # causal: nothing before the image span changes
+    # causal: nothing before the image span changes (up to fp64 rounding: expert GEMMs batch other rows)
+    assert torch.allclose(base[:, :10], img[:, :10], atol=1e-12, rtol=0)
     assert not torch.allclose(base[:, 10:], img[:, 10:])
     state, got = model.new_state(1), []
     for lo, hi in ((0, 7), (7, 12), (12, 13), (13, 24)):

@@ -11,14 +11,6 @@ from dsflash.model_def.layers import Numerics
 from dsflash.model_def.v41 import DeepseekV41Model, tensor_table
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     args = get_preset("v41", "tiny")

@@ -12,14 +12,6 @@ from dsflash.model_def.mapping import Mapping, split_range, split_rows
 from dsflash.model_def.v41 import DeepseekV41Model, tensor_table
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class ThreadComm:
     """All-reduce across the threads of one process; every rank sums the parts in rank order (same result)."""
 

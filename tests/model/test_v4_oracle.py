@@ -36,15 +36,6 @@ def _bridge():
 bridge = _bridge()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # two shared cores: OpenMP spinning costs more than it brings at these sizes
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["tiny", "tiny-b"])
 def models(request, tmp_path_factory):
     args = get_preset("v4", request.param)

@@ -99,3 +99,10 @@ def test_capacity():
     with pytest.raises(ValueError, match="fraction"):
         kv_cache_capacity(None, 1.5)
     assert 0 < kv_cache_capacity(None, 0.5) < kv_cache_capacity(None, 1.0)
+
+
+@pytest.mark.gpu
+def test_capacity_from_free_gpu_memory():
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    assert 0.45 * free <= kv_cache_capacity(None, 0.5, "cuda") <= 0.55 * free

@@ -38,7 +38,7 @@ def test_top_k_top_p_masks():
     assert keep(mask_top_k_top_p(logits, 0, 0.8)) == [1, 3]             # 0.5 + 0.3 reaches 0.8
     assert keep(mask_top_k_top_p(logits, 0, 0.81)) == [1, 2, 3]
     assert keep(mask_top_k_top_p(logits, 0, 0.1)) == [1]                # the best token always stays
-    assert keep(mask_top_k_top_p(logits, 3, 0.81)) == [1, 2, 3]
+    assert keep(mask_top_k_top_p(logits, 3, 0.85)) == [1, 2, 3]         # (0.5 + 0.3) / 0.95 < 0.85
     assert keep(mask_top_k_top_p(logits, 2, 0.95)) == [1, 3]            # top-p over the top-k renormalized
     assert mask_top_k_top_p(logits, 0, 1.0) is logits
 

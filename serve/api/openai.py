@@ -1,0 +1,272 @@
+"""OpenAI-compatible door: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE, with `usage`).
+
+Request fields follow the OpenAI API; extensions as in vLLM / trtllm-serve: `top_k`, `ignore_eos`,
+`stop_token_ids`, `return_token_ids` (adds `prompt_token_ids` / `token_ids`), and for chat
+`chat_template_kwargs: {"thinking": bool, "reasoning_effort": ...}` or DeepSeek's `thinking: {"type": "enabled"}`.
+Chat prompts use the DeepSeek-V4.1 / V4 encoding (dsflash.serve.encoding); in thinking mode the reply is split
+into `reasoning_content` and `content` at `</think>`. Completion prompts may be text or token ids.
+"""
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dsflash.serve.api.core import Frontend, Stream, field
+from dsflash.serve.api.httputil import ClientGone, EventStream, openai_error, read_json, sse, until_disconnect
+from dsflash.serve.api.security import APIError
+
+THINK_END = "</think>"
+
+
+def _refuse(body: dict, where: str = "") -> None:
+    """Fields this server does not implement: refused with a 400 unless they hold their neutral value."""
+    neutral = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+               "suffix": None, "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
+               "function_call": None, "parallel_tool_calls": None}
+    for name, ok in neutral.items():
+        v = body.get(name)
+        if v is None or v == ok or (name in ("logit_bias", "tools") and v in ({}, [])) \
+                or (name == "tool_choice" and v == "none"):
+            continue
+        raise APIError(400, f"field '{where}{name}'={v!r} is not supported by this server")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(400, "field 'response_format' is not supported by this server (only {'type': 'text'})")
+
+
+def _sampling_fields(fe: Frontend, body: dict, max_tokens_default: int, logprobs) -> object:
+    max_tokens = field(body, "max_completion_tokens", "int", None)
+    max_tokens = field(body, "max_tokens", "int", max_tokens)
+    return fe.sampling(
+        max_tokens=max_tokens_default if max_tokens is None else max_tokens,
+        temperature=field(body, "temperature", "number"),
+        top_p=field(body, "top_p", "number"),
+        top_k=field(body, "top_k", "int"),
+        seed=field(body, "seed", "int"),
+        stop=field(body, "stop", "strs"),
+        stop_token_ids=field(body, "stop_token_ids", "ints"),
+        ignore_eos=field(body, "ignore_eos", "bool"),
+        logprobs=logprobs,
+    )
+
+
+def _usage(s: Stream) -> dict:
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def _token_str(fe: Frontend, tid: int) -> str:
+    return fe.tokenizer.decode([tid], skip_special_tokens=False) if fe.tokenizer is not None else str(tid)
+
+
+def completion_logprobs(fe: Frontend, entries: list[dict], offset: int = 0) -> dict:
+    """Legacy completions format: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        tok = _token_str(fe, e["token_id"])
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({_token_str(fe, t["token_id"]): t["logprob"] for t in e["top_logprobs"]})
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out
+
+
+def chat_logprobs(fe: Frontend, entries: list[dict]) -> dict:
+    def one(tid, lp):
+        tok = _token_str(fe, tid)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+    return {"content": [{**one(e["token_id"], e["logprob"]),
+                         "top_logprobs": [one(t["token_id"], t["logprob"]) for t in e["top_logprobs"]]}
+                        for e in entries]}
+
+
+class ThinkingSplit:
+    """Route a reply's text into reasoning / content: reasoning runs up to the `</think>` token.
+
+    The engine's text skips special tokens, so the boundary is found on the token ids: once `</think>` is seen, the
+    reasoning is exactly the decoded text of the tokens before it; text is routed by its position relative to that."""
+
+    def __init__(self, fe: Frontend, thinking: bool):
+        self.fe, self.thinking = fe, thinking
+        self.end_id = fe.tokenizer.token_id(THINK_END) if (thinking and fe.tokenizer is not None) else None
+        self.boundary = None if thinking else 0   # text position where content starts
+        self.ids: list[int] = []
+        self.pos = 0
+
+    def push(self, new_ids: list[int], text: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) for one Output."""
+        if self.boundary is None and self.end_id is not None:
+            for t in new_ids:
+                if t == self.end_id:
+                    self.boundary = len(self.fe.decode(self.ids))
+                    break
+                self.ids.append(t)
+        start, self.pos = self.pos, self.pos + len(text)
+        cut = self.pos if self.boundary is None else min(max(self.boundary - start, 0), len(text))
+        return text[:cut], text[cut:]
+
+
+async def list_models(fe: Frontend, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": fe.model_name, "object": "model", "created": fe.created, "owned_by": "dsflash",
+         "max_model_len": fe.max_seq_len}]})
+
+
+async def _prepare_completion(fe: Frontend, body: dict):
+    _refuse(body)
+    fe.check_model(field(body, "model", "str"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = fe.encode(prompt, add_bos=True)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    elif isinstance(prompt, list) and prompt:
+        raise APIError(400, "field 'prompt': only one prompt per request is supported")
+    else:
+        raise APIError(400, "field 'prompt' must be a string or a list of token ids")
+    fe.check_prompt(ids)
+    lp = field(body, "logprobs", "int")
+    return ids, _sampling_fields(fe, body, 16, lp)
+
+
+async def completions(fe: Frontend, request: Request) -> Response:
+    try:
+        body = await read_json(request, fe.limits.max_body_bytes)
+        ids, params = await _prepare_completion(fe, body)
+        stream_mode = field(body, "stream", "bool", False)
+        include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
+        want_ids = field(body, "return_token_ids", "bool", False)
+        s = await fe.start(ids, params, "cmpl")
+    except APIError as e:
+        fe.metrics.record_error(e.status) if e.status in (400, 404, 413) else None
+        return openai_error(e)
+    created, model = int(time.time()), fe.model_name
+    base = {"id": s.request_id, "object": "text_completion", "created": created, "model": model}
+    if not stream_mode:
+        try:
+            await until_disconnect(request, s.collect())
+        except ClientGone:
+            await s.aclose()
+            return Response(status_code=499)
+        except APIError as e:
+            await s.aclose()
+            return openai_error(e)
+        choice = {"index": 0, "text": s.text, "logprobs": completion_logprobs(fe, s.logprobs) if params.logprobs
+                  is not None else None, "finish_reason": s.finish_reason}
+        if want_ids:
+            choice["token_ids"] = s.token_ids
+        out = {**base, "choices": [choice], "usage": _usage(s)}
+        if want_ids:
+            out["prompt_token_ids"] = ids
+        return JSONResponse(out)
+
+    async def events():
+        offset = 0
+        try:
+            async for o in s:
+                choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                if params.logprobs is not None and o.logprobs:
+                    choice["logprobs"] = completion_logprobs(fe, o.logprobs, offset)
+                if want_ids:
+                    choice["token_ids"] = o.new_token_ids
+                offset += len(o.text)
+                chunk = {**base, "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": _usage(s)})
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+        yield "data: [DONE]\n\n"
+    return EventStream(events(), on_close=s.aclose)
+
+
+def _thinking_options(body: dict) -> tuple[bool, object]:
+    kwargs = field(body, "chat_template_kwargs", "object", {})
+    thinking = field(kwargs, "thinking", "bool", None, "chat_template_kwargs.")
+    if thinking is None:
+        thinking = field(kwargs, "enable_thinking", "bool", None, "chat_template_kwargs.")
+    t = body.get("thinking")
+    if thinking is None and t is not None:
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind not in ("enabled", "disabled"):
+            raise APIError(400, "field 'thinking' must be {'type': 'enabled'} or {'type': 'disabled'}")
+        thinking = kind == "enabled"
+    effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
+    return bool(thinking), effort
+
+
+async def chat_completions(fe: Frontend, request: Request) -> Response:
+    from dsflash.serve.encoding import encode_messages
+    try:
+        body = await read_json(request, fe.limits.max_body_bytes)
+        _refuse(body)
+        fe.check_model(field(body, "model", "str"))
+        thinking, effort = _thinking_options(body)
+        try:
+            prompt = encode_messages(body.get("messages"), family=fe.family, thinking=thinking,
+                                     reasoning_effort=effort)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        ids = fe.check_prompt(fe.encode(prompt, add_bos=False))
+        lp = field(body, "top_logprobs", "int", 0) if field(body, "logprobs", "bool", False) else None
+        params = _sampling_fields(fe, body, fe.default_max_tokens(len(ids)), lp)
+        stream_mode = field(body, "stream", "bool", False)
+        include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
+        want_ids = field(body, "return_token_ids", "bool", False)
+        s = await fe.start(ids, params, "chatcmpl")
+    except APIError as e:
+        fe.metrics.record_error(e.status) if e.status in (400, 404, 413) else None
+        return openai_error(e)
+    base = {"id": s.request_id, "object": "chat.completion", "created": int(time.time()), "model": fe.model_name}
+    split = ThinkingSplit(fe, thinking)
+    if not stream_mode:
+        try:
+            await until_disconnect(request, s.collect())
+        except ClientGone:
+            await s.aclose()
+            return Response(status_code=499)
+        except APIError as e:
+            await s.aclose()
+            return openai_error(e)
+        reasoning, content = split.push(s.token_ids, s.text)
+        msg = {"role": "assistant", "content": content, "reasoning_content": reasoning if thinking else None}
+        choice = {"index": 0, "message": msg, "logprobs": chat_logprobs(fe, s.logprobs) if lp is not None else None,
+                  "finish_reason": s.finish_reason}
+        if want_ids:
+            choice["token_ids"] = s.token_ids
+        out = {**base, "choices": [choice], "usage": _usage(s)}
+        if want_ids:
+            out["prompt_token_ids"] = ids
+        return JSONResponse(out)
+
+    chunk_base = {**base, "object": "chat.completion.chunk"}
+
+    async def events():
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse({**chunk_base, "choices": [first]})
+        try:
+            async for o in s:
+                reasoning, content = split.push(o.new_token_ids, o.text)
+                delta = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content or not reasoning:
+                    delta["content"] = content
+                choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(fe, o.logprobs)
+                          if lp is not None and o.logprobs else None, "finish_reason": o.finish_reason}
+                if want_ids:
+                    choice["token_ids"] = o.new_token_ids
+                yield sse({**chunk_base, "choices": [choice]})
+            if include_usage:
+                yield sse({**chunk_base, "choices": [], "usage": _usage(s)})
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+        yield "data: [DONE]\n\n"
+    return EventStream(events(), on_close=s.aclose)
