@@ -85,6 +85,7 @@ def run(eng: LLMEngine, reqs: list[Request]) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_greedy_matches_reference(family, tmp_path_factory):
     hf, _, _ = built(family, tmp_path_factory)
     eng = engine(family, tmp_path_factory)
@@ -112,6 +113,7 @@ def alone(family, tmp_path_factory) -> dict:
     return _alone[family]
 
 
+@pytest.mark.slow
 def test_batch_invariance(family, tmp_path_factory):
     """32 (V4: 12) concurrent requests of mixed lengths and sampling settings, prompts up to 70 tokens (window 32,
     many ratio-2/4 groups, chunks of 24) produce exactly the tokens they produce alone."""
@@ -122,6 +124,7 @@ def test_batch_invariance(family, tmp_path_factory):
     assert any(len(t) > 1 for t, _, _ in got.values())
 
 
+@pytest.mark.slow
 def test_cache_exhaustion_preempts_and_recovers(family, tmp_path_factory):
     """A pool (4-token pages) that holds both requests' prompts and nothing more: when the older one needs a page,
     the newer one is preempted, waits, and later recomputes its prompt and generated tokens; both outputs (one
@@ -200,6 +203,7 @@ def test_queue_full_and_abort_frees_pages(tmp_path_factory):
     assert not eng.has_work()
 
 
+@pytest.mark.slow
 def test_async_engine_disconnect_and_drain(tmp_path_factory):
     eng = engine("v41", tmp_path_factory)
     want = run(eng, [Request("w", prompt(3, 9), SamplingParams(max_tokens=5, ignore_eos=True))])["w"][0]
@@ -256,6 +260,7 @@ def mpirun(engine_dir: Path, job: dict, tmp_path: Path, timeout: float = 240) ->
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_tp2_matches_tp1_and_a_dead_worker_stops_the_job(tmp_path_factory, tmp_path):
     """TP2 (gloo) through LLMEngine + worker_loop: batched == alone (the 40-token prompt chunked by 16), and equal
     to TP1 on the short prompts. (Longer sequences may legitimately differ from TP1: the row-parallel partial sums
