@@ -136,3 +136,37 @@ def test_tp2_generation_matches_tp1_and_reference(hf_v41, tmp_path):
         outs[tag] = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
     assert outs["tp1"] == ref
     assert outs["tp2"] == ref and outs["ep2"] == ref and outs["tp4_ep2"] == ref
+
+
+def test_hopper_engine_pads_experts_after_sharding(tmp_path):
+    """tiny V4.1 (expert intermediate 64) at TP2 on sm90: 32 per rank, padded after sharding to the 64-wide tile.
+    The padded rows/columns hold zeros, the rest is exactly this rank's slice of the reference weight."""
+    from safetensors import safe_open
+
+    from dsflash.build.engine import local_entry
+    from dsflash.build.shard import plan_cut
+    from dsflash.convert import layouts
+    from dsflash.convert.writer import convert
+    args = get_preset("v41", "tiny")
+    hf = synthesize(args, tmp_path / "hf", seed=5)
+    convert(hf, tmp_path / "hopper", "hopper", progress=False, log=lambda *a: None)
+    out = write_engine(tmp_path / "hopper", tmp_path / "e", Mapping(world_size=2, tp_size=2), "sm90", BuildConfig(),
+                       progress=False)
+    eng = open_engine(out, check_arch=False)
+    assert (eng.meta["expert_inter_local"], eng.meta["expert_inter_padded"]) == (32, 64)
+    ck = HFCheckpoint(hf)
+    table = {e.name: e for e in tensor_table(args)}
+    for rank in range(2):
+        m = eng.mapping(rank)
+        with safe_open(str(eng.rank_file(rank)), framework="pt") as f:
+            for name in ("layers.3.ffn.experts.5.w1.weight", "layers.3.ffn.experts.5.w2.weight"):
+                e = table[name]
+                cut = plan_cut(e, m, {"layers.3.ffn.experts": 8}, args.weight_block, 64)
+                le = local_entry(e, cut)
+                ours = {n: f.get_tensor(n) for n in layouts.stored_names(le, "hopper", "fp4", args)}
+                got = layouts.dequantize(le, ours, "hopper", "fp4", args)
+                full = ck.load(e)
+                dim = 1 if name.endswith("w2.weight") else 0
+                assert got.shape[dim] == 64
+                assert torch.equal(got.narrow(dim, 0, 32), full.narrow(dim, 32 * rank, 32))
+                assert torch.equal(got.narrow(dim, 32, 32), torch.zeros_like(got.narrow(dim, 32, 32)))
