@@ -216,9 +216,11 @@ def verify_engine(path: str | Path) -> None:
             raise EngineError(f"{eng.rank_file(r)}: no tensors for rank-{r} model parameters, e.g. {unused[:3]}")
 
 
-def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = "cpu", dtype=torch.float32):
-    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors."""
+def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = "cpu", dtype=None):
+    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors (dtype: the build's `--dtype`)."""
     eng = open_engine(path)
+    if dtype is None:
+        dtype = getattr(torch, eng.meta["build_config"].get("dtype", "float32"))
     if eng.meta["expert_inter_padded"] != eng.meta["expert_inter_local"]:
         raise EngineError(f"{path}: padded expert layouts run only with the GPU plugins")
     from dsflash.convert import layouts

@@ -26,11 +26,16 @@ class BuildConfig:
     kv_cache_dtype: str = "auto"
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 0
+    # CPU engines run the plain-PyTorch references; float64 makes their "fp32 math" independent of summation order,
+    # so TP sharding or chunk shapes cannot move a value across an FP8/FP4 rounding boundary (exactness tests)
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for k in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
 

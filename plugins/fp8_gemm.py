@@ -19,7 +19,6 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
-from dsflash.plugins.refs import scale_to_fp32 as refs_scale_to_fp32
 from dsflash.plugins.tuning import GemmConfig
 
 
@@ -110,11 +109,6 @@ def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return s.view(torch.uint8), True
 
 
-def weight_scales_fp32(w_s: torch.Tensor) -> torch.Tensor:
-    """e8m0 32×32 block scales -> fp32 (exact), the form the GEMM kernel streams fastest. Once, at load time."""
-    return refs_scale_to_fp32(w_s).contiguous()
-
-
 def tile_weight(w_q: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
     """Re-lay an e4m3 [N, K] weight for a `tiled_w` (swap-AB) config: [N/BP, K/BK, BP, BK] (zero-padded), viewed 2-D,
     so every TMA box the kernel loads is one contiguous BP·BK-byte block (DRAM-friendly decode streaming).
@@ -134,9 +128,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     """Group-32 FP8 GEMM -> BF16 [M, N].
 
     a_q e4m3 [M, K] (row stride free, K contiguous), a_s [M, K/32] fp32|e8m0 (K/32 contiguous),
-    w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] fp32|e8m0 contiguous; K % 32 == 0.
-    Pass fp32 scales (`weight_scales_fp32(w_s)` once at load): 1-byte e8m0 loads cannot use cp.async, so Triton
-    leaves them synchronous inside the K loop (a memory latency per iteration, ~2× slower decode on the H200).
+    w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] e8m0|fp32 contiguous; K % 32 == 0.
+    (Measured on the H200: fp32 weight scales, which Triton streams by cp.async, did not speed up decode and made
+    the large-M FP8-MMA configs 1.4-1.9× slower than the 1-byte e8m0 scales; keep e8m0.)
     config: tiles (default: tuning.get_config(N, K, M)); out: optional BF16 [M, N] contiguous;
     w_tiled: tile_weight(w_q, config), required by (and only used with) a `tiled_w` config.
     """

@@ -111,14 +111,13 @@ class TritonBLSModel:
         pb = self.pb
         responses = []
         for request in requests:
-            names = [t.name() for t in request.inputs()]
-            streaming = [t for t in request.inputs() if t.name() in ("streaming", "stream") and t.as_numpy().any()]
+            inputs = request.inputs()
+            streaming = [t for t in inputs if t.name() in ("streaming", "stream") and t.as_numpy().any()]
             if streaming:
                 responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
                     f"streaming needs the decoupled model '{self.target}' (gRPC ModelStreamInfer or generate_stream)")))
                 continue
-            inner = pb.InferenceRequest(model_name=self.target, inputs=[request.get_input_tensor_by_name(n)
-                                                                         for n in names],
+            inner = pb.InferenceRequest(model_name=self.target, inputs=inputs,
                                         requested_output_names=list(request.requested_output_names()))
             outputs, error = None, None
             for resp in inner.exec(decoupled=True):
