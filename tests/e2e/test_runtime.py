@@ -1,6 +1,7 @@
 """Serving runtime on tiny synthetic engines (CPU): reference equality, batch invariance, cache exhaustion,
 abort / async / drain, stop strings and logprobs, TP2 under mpirun."""
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,12 +24,6 @@ BUILD = BuildConfig(max_batch_size=32, max_num_tokens=64, max_seq_len=512)
 PROMPT_LENS = [3, 70, 9, 41, 17, 33, 5, 52, 26, 12, 64, 37, 4, 48, 21, 8]   # window 32; prompts > 24 get chunked
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models are op-overhead bound; threads only add contention
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=["v41", "v4"])
@@ -247,13 +242,13 @@ def test_async_engine_disconnect_and_drain(tmp_path_factory):
         eng.add_request(Request("e", prompt(6, 4), SamplingParams()))
 
 
-def mpirun(engine_dir: Path, job: dict, tmp_path: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess,
-                                                                                        dict | None]:
+def mpirun(engine_dir: Path, job: dict, tmp_path: Path, world: int = 2,
+           timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
     jf, out = tmp_path / "job.json", tmp_path / "out.json"
     jf.write_text(json.dumps(job))
     script = Path(__file__).with_name("runtime_mpi_job.py")
     env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+    r = subprocess.run([mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-n", str(world), sys.executable,
                         str(script), str(engine_dir), str(jf), str(out)], env=env, capture_output=True, text=True,
                        timeout=timeout)
     return r, (json.loads(out.read_text()) if out.is_file() else None)
@@ -261,23 +256,30 @@ def mpirun(engine_dir: Path, job: dict, tmp_path: Path, timeout: float = 240) ->
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_tp2_matches_tp1_and_a_dead_worker_stops_the_job(tmp_path_factory, tmp_path):
-    """TP2 (gloo) through LLMEngine + worker_loop: batched == alone (the 40-token prompt chunked by 16), and equal
-    to TP1 on the short prompts. (Longer sequences may legitimately differ from TP1: the row-parallel partial sums
-    round differently in fp32, ~3e-8, and on these random tiny weights one FP8/FP4 grid flip cascades.) Then a
-    worker that fails must abort the whole job with a clear message instead of leaving rank 0 hanging."""
+def test_tp2_ep2_match_tp1_and_a_dead_worker_stops_the_job(tmp_path_factory, tmp_path):
+    """TP2 and EP2 (tp 2 = moe_ep 2) (gloo) through LLMEngine + worker_loop: batched ==
+    alone (the 40-token prompt chunked by 16) == TP1, token for token. The engines compute in float64 (`--dtype`):
+    in fp32 the row-parallel partial sums round differently from the unsharded GEMM (~3e-8), and on random tiny
+    weights one FP8/FP4 grid flip can cascade. Then a worker that fails must abort the whole job with a clear
+    message instead of leaving rank 0 hanging."""
     hf, _, _ = built("v41", tmp_path_factory)
-    tp2 = write_engine(hf, tmp_path / "tp2", Mapping(world_size=2, tp_size=2), "cpu", BUILD, progress=False)
+    b64 = dataclasses.replace(BUILD, dtype="float64")
+    tp1 = write_engine(hf, tmp_path / "tp1", Mapping(), "cpu", b64, progress=False)
     reqs = [Request(f"t{i}", prompt(200 + i, n), SamplingParams(max_tokens=5, ignore_eos=True))
             for i, n in enumerate((6, 40, 13))]
-    want = {k: v[0] for k, v in run(engine("v41", tmp_path_factory, max_num_tokens=16), reqs).items()}
-    job = {"requests": [[r.request_id, r.prompt_ids, r.params.max_tokens] for r in reqs], "max_num_tokens": 16,
-           "crash": True}
-    t0 = time.monotonic()
-    r, out = mpirun(tp2, job, tmp_path)
-    assert out is not None, r.stderr[-3000:]
-    assert out["batched"] == out["alone"]
-    assert out["batched"]["t0"] == want["t0"] and out["batched"]["t2"] == want["t2"]
-    assert out["stats"]["kv_cache_used_blocks"] == 0 and out["stats"]["generation_tokens_total"] == 30
-    assert r.returncode != 0 and time.monotonic() - t0 < 200
-    assert "[dsflash rank 1] worker failed: IndexError" in r.stderr
+    want = {k: v[0] for k, v in run(LLMEngine(str(tp1), kv_cache_bytes=1 << 26, max_num_tokens=16), reqs).items()}
+    for tag, m, crash in (("tp2", Mapping(world_size=2, tp_size=2), True),
+                          ("ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2), False)):
+        eng_dir = write_engine(hf, tmp_path / tag, m, "cpu", b64, progress=False)
+        job = {"requests": [[r.request_id, r.prompt_ids, r.params.max_tokens] for r in reqs], "max_num_tokens": 16,
+               "crash": crash}
+        t0 = time.monotonic()
+        r, out = mpirun(eng_dir, job, tmp_path, world=m.world_size)
+        assert out is not None, r.stderr[-3000:]
+        assert out["batched"] == out["alone"] == want, tag
+        assert out["stats"]["kv_cache_used_blocks"] == 0 and out["stats"]["generation_tokens_total"] == 30
+        if crash:
+            assert r.returncode != 0 and time.monotonic() - t0 < 200
+            assert "[dsflash rank 1] worker failed: IndexError" in r.stderr
+        else:
+            assert r.returncode == 0, r.stderr[-3000:]
