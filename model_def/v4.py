@@ -171,15 +171,16 @@ class Compressor(nn.Module):
     normalized, rotated at position t·ratio and (deploy) quantized: FP8 nope for attention KV, Hadamard + FP4 for
     indexer keys."""
 
-    def __init__(self, args: V4Args, ratio: int, dim: int, numerics: Numerics, kind: str):
+    def __init__(self, args: V4Args, ratio: int, dim: int, numerics: Numerics, kind: str,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.ratio, self.dim, self.kind, self.numerics = ratio, dim, kind, numerics
         self.overlap = ratio == OVERLAP_RATIO
         c = 2 if self.overlap else 1
         self.nope = dim - args.rope_dim
         # BF16 on disk, computed in fp32 without act quant (as the reference upcasts them)
-        self.wkv = Linear(args.hidden_size, c * dim, numerics)
-        self.wgate = Linear(args.hidden_size, c * dim, numerics)
+        self.wkv = Linear(args.hidden_size, c * dim, numerics, dtype=dtype)
+        self.wgate = Linear(args.hidden_size, c * dim, numerics, dtype=dtype)
         self.ape = nn.Parameter(torch.zeros(ratio, c * dim))
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
@@ -241,7 +242,7 @@ class Indexer(nn.Module):
         self.wq_b = ColumnParallelLinear(args.q_lora_rank, self.n_heads_total * self.head_dim, numerics, mapping,
                                          "fp8", dtype=dtype)
         self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads_total, numerics, mapping, dtype=dtype)
-        self.compressor = Compressor(args, OVERLAP_RATIO, self.head_dim, numerics, "index")
+        self.compressor = Compressor(args, OVERLAP_RATIO, self.head_dim, numerics, "index", dtype)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, pos0: int, st: dict, inv_freq: torch.Tensor) -> torch.Tensor:
         """-> selected [B,S,T] bool over the compressed entries."""
@@ -287,7 +288,7 @@ class Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(H * d // g, g * ol, numerics, mapping, "fp8", dtype=dtype)
         self.wo_b = RowParallelLinear(g * ol, D, numerics, mapping, comm, "fp8", dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
-        self.compressor = Compressor(args, self.ratio, d, numerics, "kv") if self.ratio else None
+        self.compressor = Compressor(args, self.ratio, d, numerics, "kv", dtype) if self.ratio else None
         self.indexer = Indexer(args, numerics, mapping, comm, dtype) if self.ratio == OVERLAP_RATIO else None
         if self.ratio:
             inv_freq = rope_inv_freq(args.rope_dim, args.compress_rope_theta, args.yarn)

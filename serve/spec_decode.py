@@ -15,7 +15,10 @@ One iteration, for a batch of B requests that advance in lockstep (the model sta
    DSpark captures) hold exactly the committed tokens; the drafter then appends the committed positions to its own
    state (DSpark rings; the MTP block's cache, whose chained draft rows are always rolled back).
 
-Each iteration emits a + 1 tokens per row. `SpecStats` per row counts AL / DAR (serve/speculative.py).
+Each iteration emits a + 1 tokens per row. `SpecStats` per row counts AL / DAR (serve/speculative.py) of what the
+batch commits: in a batch of several requests a row's acceptance is bounded by the batch minimum (run requests as
+batch 1 for their own AL). Greedy output is the plain greedy output up to the numerics of a (k+1)-token chunk versus
+one-token steps (bitwise in float64 V4.1; fp32/bf16 runs can flip near-ties, as in any engine).
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ from dsflash.serve.speculative import (SpecStats, greedy_accept, rejection_accep
                                        target_probs_from_logits)
 
 ALGORITHMS = ("dspark", "mtp")
-DEFAULT_DRAFT_TOKENS = {"dspark": 5, "mtp": 1}   # DSpark: its trained block; MTP: one per nextn layer (V4: 1)
 
 
 @dataclass
@@ -69,14 +71,16 @@ class SpecConfig:
 
 
 # -- target forward ------------------------------------------------------------------------------------------------
-def target_forward(model, ids: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward(model, ids: torch.Tensor, state,
+                   need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`model.step` that also returns what the drafter conditions on, for the rows of ids [B,S]:
-    V4.1 the DSpark captures [B,S,n_capture·D] (state.capture); V4 the final main streams [B,S,n,D]."""
+    V4.1 the DSpark captures [B,S,n_capture·D] (state.capture); V4 the final main streams [B,S,n,D].
+    need_logits=False lets V4 skip the vocabulary head (a rollback re-step only rebuilds the caches)."""
     if model.args.family == "v41":
         logits = model.step(ids, state)
         return logits, state.capture
     X = model.streams(ids, state)
-    return model.head_logits(X), X
+    return (model.head_logits(X) if need_logits else None), X
 
 
 # -- drafters ------------------------------------------------------------------------------------------------------
@@ -213,11 +217,10 @@ class SpeculativeDecoder:
         k = min(cfg.num_draft_tokens, max_tokens - 1)
         if k > 0:
             prop = self.drafter.propose(self.bonus, k, cfg.temperature, gen)
-            limit = prop.num_draft
         else:                                      # one token left: a plain decode step
             prop = Proposal(torch.zeros(b, 0, dtype=torch.long, device=dev), None,
                             torch.zeros(b, dtype=torch.long, device=dev))
-            limit = prop.num_draft
+        limit = prop.num_draft
         kv = int(limit.max())                      # verify width: the longest row's proposal
         drafts = prop.tokens[:, :kv]
         ids = torch.cat([self.bonus[:, None], drafts], 1)
@@ -235,12 +238,11 @@ class SpeculativeDecoder:
         if a < kv:
             nxt = torch.where(acc > a, drafts[:, a], nxt)   # rows that accepted past a keep their accepted draft
             self.state.restore(snap)
-            _, hidden = target_forward(self.model, ids[:, :a + 1], self.state)
+            _, hidden = target_forward(self.model, ids[:, :a + 1], self.state, need_logits=False)
         new = torch.cat([drafts[:, :a], nxt[:, None]], 1)
         self.drafter.commit(hidden, new)
-        if k > 0:
-            for s, n in zip(self.stats, limit.tolist()):
-                s.observe(a, n)
+        for s, n in zip(self.stats, limit.tolist()):   # every target forward counts (AL = tokens / iterations)
+            s.observe(a, n)
         self.bonus = nxt
         return new
 
