@@ -17,8 +17,12 @@ ARGS ?=
 .DEFAULT_GOAL := test
 .PHONY: demo test test-gpu convert build serve generate bench-kernels clean
 
-$(VENV)/.stamp: requirements-cpu.txt pyproject.toml
-	mkdir -p .pybuild && python3 -m venv $(VENV) && $(VENV)/bin/pip install -r requirements-cpu.txt && $(VENV)/bin/pip install --no-deps -e . && touch $@
+# The Triton Python stub shipped in nvidia-pytriton reads numpy 1.x array headers: its interpreter gets numpy 1.26
+# from $(VENV)/triton-site (dsflash triton-repo --extra-site-dir), while the venv keeps numpy 2.
+TRITON_STUB_NUMPY := numpy==1.26.4
+
+$(VENV)/.stamp: requirements-cpu.txt requirements-triton.txt pyproject.toml
+	mkdir -p .pybuild && python3 -m venv $(VENV) && $(VENV)/bin/pip install -r requirements-cpu.txt && $(VENV)/bin/pip install --no-deps -r requirements-triton.txt && $(VENV)/bin/pip install --no-deps --target $(VENV)/triton-site $(TRITON_STUB_NUMPY) && $(VENV)/bin/pip install --no-deps -e . && touch $@
 
 demo: $(VENV)/.stamp
 	$(DSFLASH) demo $(ARGS)

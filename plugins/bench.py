@@ -1,6 +1,7 @@
 """Kernel benchmark (`make bench-kernels`, GPU): every plugin against its reference path and the measured ceilings.
 
-    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm] [--ms 1,3,8,64,257,4096]
+    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a] [--ms 1,3,8,64,257,4096]
+                                    [--merge]   (replace only the rows of the sections run, keep the file's others)
 
 One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
 GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
@@ -43,6 +44,11 @@ GEMM_SHAPES = [
     ("shexp_w13", 576, 5120, "tp8"),
     ("shexp_w2", 5120, 288, "tp8"),
 ]
+
+
+# op-name prefixes of each section's rows (for --merge)
+SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "act"),
+               "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",)}
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -331,6 +337,188 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
     return rows
 
 
+# -- MoE and WO-A -----------------------------------------------------------------------------------------------------
+MOE_E, MOE_TOPK, MOE_LIMIT, MOE_SCALE = 384, 6, 10.0, 1.5
+MOE_SHAPES = [("tp1", 2304, 2304), ("tp8", 288, 320)]          # (tp, logical intermediate, padded)
+WO_A_SHAPES = [("tp1", 64, 8), ("tp8", 8, 1)]                   # (tp, local heads, local o_groups)
+WO_A_D, WO_A_RD, WO_A_R = 512, 64, 1024
+
+
+def _eager_time_us(calls: list, reps: int = 5) -> float:
+    """Median per call of `calls` run eagerly (for references that sync with the host and cannot be captured)."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for i in range(reps):
+        e0.record()
+        calls[i % len(calls)]()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000)
+    return statistics.median(ts)
+
+
+def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
+    """Router, the decode GEMV GEMMs (w13 + SwiGLU epilogue, w2 + weighted reduction) and the whole routed-expert
+    pass at V4.1-Flash shapes (384 experts, top-6, hidden 5120; TP1 and one TP8 rank). Bytes = the distinct
+    routed experts' MXFP4 weights + e8m0 scales (what the op must read) + activations in/out."""
+    from dsflash.plugins import moe as M
+    rows = []
+    d, e, k = HIDDEN, MOE_E, MOE_TOPK
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(e, device=DEV, generator=gen) * 0.05
+    for tp, inter, ipad in MOE_SHAPES:
+        w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=gen)
+        w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=gen)
+        w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=gen)
+        w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=gen)
+        if ipad != inter:
+            for half in (0, ipad):
+                w13_q[:, half + inter:half + ipad] = 0
+            w2_q[:, :, inter // 2:] = 0
+        w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+        w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
+        b13 = 2 * ipad * d // 2 + 2 * ipad * d // 32          # one expert's w13 bytes
+        b2 = d * ipad // 2 + d * ipad // 32
+        for m in ms:
+            if time.time() > deadline:
+                rows.append({"op": "moe", "shape": tp, "M": m, "error": "skipped: time budget"})
+                continue
+            shape = f"{tp} E{e} k{k} {d}x{inter}" + (f"(pad {ipad})" if ipad != inter else "")
+            try:
+                n_sets = 8 if m <= 64 else 2
+                xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_sets)]
+                shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(n_sets)]
+                cfg = M.default_moe_config(m, k, e, ipad, d)
+                lay = "gemv" if cfg.gemv else "bf16"
+                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay) for x in xs]
+                n_act = statistics.mean(len(torch.unique(r[1])) for r in routed)
+                p = m * k
+                # router (+ the deploy activation quant it also writes)
+                if tp == "tp1":
+                    nb = e * d * 2 + m * d * 2 + m * d * (4 if cfg.gemv else 2) + p * 8
+                    us, how = _graph_time_us([lambda x=x: M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay)
+                                              for x in xs])
+                    ref_us, _ = _graph_time_us([lambda x=x: (refs.router_ref(x, gw, bias, k, MOE_SCALE),
+                                                             refs.fp8_fake_quant_ref(x)) for x in xs])
+                    wr, ir = refs.router_ref(xs[0], gw, bias, k, MOE_SCALE)
+                    same = (routed[0][1].long().sort(1).values == ir.sort(1).values).float().mean().item()
+                    rows.append(_row("moe_router", f"E{e}xD{d} top{k}", m, us, ref_us, nb, 2 * m * e * d, ceil,
+                                     None, timing=how, ids_match=same, config=f"xq={lay}"))
+                ref_out = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, MOE_LIMIT,
+                                               inter, shared[0])
+                ref_us = _eager_time_us([lambda i=i: refs.moe_experts_ref(xs[i], routed[i][0], routed[i][1].long(),
+                                                                          *w1, w2_q, w2_s, MOE_LIMIT, inter,
+                                                                          shared[i]) for i in range(n_sets)],
+                                        reps=5 if m <= 64 else 2)
+                nb_w = n_act * (b13 + b2)
+                nb_act = m * d * 2 + 2 * m * d * 4
+                flops = 2 * p * d * (2 * inter + inter)
+                # the whole routed-expert pass, every candidate config
+                best = None
+                tried = []
+                for c in M.moe_candidates(m, k, e, ipad, d):
+                    try:
+                        out = M.moe_experts(routed[0][2], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
+                                            MOE_LIMIT, inter, shared[0], c)
+                        err = refs.rel_err(out, ref_out)
+                        us, how = _graph_time_us([lambda i=i, c=c: M.moe_experts(
+                            routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
+                            shared[i], c) for i in range(n_sets)])
+                    except Exception as ex:
+                        rows.append({"op": "moe_experts", "shape": shape, "M": m, "config": c.tag(),
+                                     "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+                        continue
+                    tried.append([c.tag(), round(us, 2), err])
+                    r = _row("moe_experts", shape, m, us, ref_us, nb_w + nb_act, flops, ceil, err, timing=how,
+                             config=c.tag(), weight_MB=nb_w / 1e6, active_experts=n_act)
+                    if best is None or us < best["us"]:
+                        best, best_cfg = r, c
+                if best is None:
+                    raise RuntimeError("no MoE config ran")
+                rows.append(best | {"op": "moe_experts[tuned]", "candidates": tried})
+                # the two GEMMs of the decode path on their own (best config)
+                if best_cfg.gemv:
+                    hps = [M.gemv_w13(r[2], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg) for r in routed]
+                    outs = [torch.zeros(m, d, device=DEV) for _ in range(n_sets)]
+                    us13, how = _graph_time_us([lambda i=i: M.gemv_w13(routed[i][2], routed[i][0], routed[i][1],
+                                                                       w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
+                                                for i in range(n_sets)])
+                    us2, _ = _graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
+                                                                   best_cfg) for i in range(n_sets)])
+                    rows.append(_row("moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
+                                     2 * p * d * 2 * inter, ceil, None, timing=how, config=best_cfg.tag(),
+                                     weight_MB=n_act * b13 / 1e6))
+                    rows.append(_row("moe_w2_gemv", shape, m, us2, None, n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
+                                     2 * p * d * inter, ceil, None, timing=how, config=best_cfg.tag(),
+                                     weight_MB=n_act * b2 / 1e6))
+                # router + experts
+                if tp == "tp1":
+                    us, how = _graph_time_us([lambda i=i: M.moe(xs[i], gw, bias, k, MOE_SCALE, w13_q, w13_s, w2_q,
+                                                                w2_s, MOE_LIMIT, inter, shared[i])
+                                              for i in range(n_sets)])
+                    ref_full = _eager_time_us([lambda i=i: refs.moe_ref(xs[i], gw, bias, k, MOE_SCALE, *w1, w2_q, w2_s,
+                                                                        MOE_LIMIT, inter, shared[i])
+                                               for i in range(n_sets)], reps=5 if m <= 64 else 2)
+                    rows.append(_row("moe(router+experts)", shape, m, us, ref_full, nb_w + nb_act + e * d * 2,
+                                     flops, ceil, None, timing=how, weight_MB=nb_w / 1e6))
+                del xs, shared, routed
+            except Exception as ex:
+                rows.append({"op": "moe", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
+                             "trace": traceback.format_exc()[-2000:]})
+            torch.cuda.empty_cache()
+        del w13_q, w13_s, w2_q, w2_s, w1
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
+    """WO-A (inverse RoPE + grouped projection to o_lora_rank) at V4.1-Flash shapes, every tile candidate."""
+    from dsflash.plugins.wo_a import candidates, default_config, wo_a
+    rows = []
+    inv = 1.0 / (10000.0 ** (torch.arange(0, WO_A_RD, 2, dtype=torch.float64) / WO_A_RD)).float().to(DEV)
+    for tp, h, g in WO_A_SHAPES:
+        kg = h * WO_A_D // g
+        nrows = g * WO_A_R
+        nb_w = nrows * kg * 2
+        n_sets = _n_sets(nb_w, 24)
+        ws = [(torch.randn(nrows, kg, device=DEV) * 0.02).to(torch.bfloat16) for _ in range(n_sets)]
+        for m in ms:
+            shape = f"{tp} H{h} G{g} {nrows}x{kg}"
+            try:
+                os_ = [(torch.randn(m, h, WO_A_D, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
+                cs = [refs.rope_cos_sin_ref(torch.randint(0, 1 << 20, (m,), device=DEV), inv) for _ in range(n_sets)]
+                ref = refs.wo_a_ref(os_[0], *cs[0], ws[0], torch.float32)
+                ref_us, _ = _graph_time_us([lambda i=i: refs.wo_a_ref(os_[i], *cs[i], ws[i]) for i in range(n_sets)])
+                nb = nb_w + m * h * WO_A_D * 2 + m * WO_A_RD * 4 + m * nrows * 2
+                flops = 2 * m * nrows * kg
+                best, tried, dflt = None, [], None
+                for c in candidates(m, nrows, kg):
+                    out = wo_a(os_[0], *cs[0], ws[0], c)
+                    err = refs.rel_err(out, ref)
+                    us, how = _graph_time_us([lambda i=i, c=c: wo_a(os_[i], *cs[i], ws[i], c) for i in range(n_sets)])
+                    tried.append([c.tag(), round(us, 2), err])
+                    r = _row("wo_a", shape, m, us, ref_us, nb, flops, ceil, err, timing=how, config=c.tag(),
+                             weight_MB=nb_w / 1e6)
+                    if c == default_config(m, nrows, kg):
+                        dflt = r
+                    if best is None or us < best["us"]:
+                        best = r
+                rows.append(best | {"op": "wo_a[tuned]", "candidates": tried})
+                if dflt is not None and dflt is not best:
+                    rows.append(dflt | {"op": "wo_a[default]"})
+                del os_, cs
+            except Exception as ex:
+                rows.append({"op": "wo_a", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
+                             "trace": traceback.format_exc()[-2000:]})
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 # -- report -----------------------------------------------------------------------------------------------------------
 def targets(rows: list[dict]) -> dict:
     dec, big, site = [], [], []
@@ -347,8 +535,16 @@ def targets(rows: list[dict]) -> dict:
                         "pass": r["fp8_gemm_vs_scaled_mm"] >= 0.7})
         if op == "mhc_site":
             site.append({"M": m, "speedup": r["speedup"], "pass": r["speedup"] >= 3})
+    moe = [{"op": op, "shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
+            "pass": r["pct_copy_bw"] >= 60}
+           for (op, shape, m), r in by_key.items()
+           if op in ("moe_w13_gemv", "moe_w2_gemv", "moe_experts[tuned]") and m <= 8 and r.get("weight_MB", 0) >= 16]
+    woa = [{"shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
+            "pass": r["pct_copy_bw"] >= 60}
+           for (op, shape, m), r in by_key.items() if op == "wo_a[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16]
     return {"decode_gemm_ge16MB_ge60pct_copy_bw": dec, "large_m_fp8_ge70pct_scaled_mm": big,
-            "fused_mhc_ge3x_unfused": site}
+            "fused_mhc_ge3x_unfused": site, "decode_moe_ge16MB_ge60pct_copy_bw": moe,
+            "decode_wo_a_ge16MB_ge60pct_copy_bw": woa}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -370,7 +566,9 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the results JSON here")
-    ap.add_argument("--sections", default="mhc,act,gemm")
+    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a")
+    ap.add_argument("--merge", action="store_true",
+                    help="merge into the existing --out file: replace only the rows of the sections run now")
     ap.add_argument("--ms", default="1,3,8,64,257,4096", help="token counts M")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting GEMM shapes after this many seconds")
     args = ap.parse_args(argv)
@@ -388,19 +586,36 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python -m dsflash.plugins.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": [], "tuned": {}}
 
+    sections = args.sections.split(",")
+    previous = None
+    if args.merge and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+
     def dump():
         result["targets"] = targets(result["rows"])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1, default=str)
+        if not args.out:
+            return
+        doc = result
+        if previous is not None:   # keep the earlier run's rows of the sections not run now (and its ceilings)
+            def ran(r):
+                return any(r["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec])
+            doc = dict(previous)
+            doc["rows"] = [r for r in previous["rows"] if not ran(r)] + result["rows"]
+            doc["targets"] = targets(doc["rows"])
+            doc["merged_runs"] = previous.get("merged_runs", []) + [
+                {k: result[k] for k in ("machine", "command", "ceilings") if k in result} | {"sections": sections}]
+            if result["tuned"]:
+                doc["tuned"] = result["tuned"]
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
 
     ceil = measure_ceilings()
     result["ceilings"] = ceil
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (memcpy {ceil['memcpy_GBps']:.0f}, elementwise "
           f"{ceil['elementwise_GBps']:.0f}), fp8 _scaled_mm {ceil['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s, "
           f"bf16 mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s", flush=True)
-    sections = args.sections.split(",")
-    for sec in ("mhc", "act", "gemm"):
+    for sec in ("mhc", "act", "gemm", "moe", "wo_a"):
         if sec not in sections:
             continue
         try:
@@ -408,6 +623,10 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"] += bench_mhc(ceil, ms)
             elif sec == "act":
                 result["rows"] += bench_act(ceil, ms)
+            elif sec == "moe":
+                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s)
+            elif sec == "wo_a":
+                result["rows"] += bench_wo_a(ceil, ms)
             else:
                 result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s)
         except Exception as e:
@@ -417,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{sec} done at {time.time() - t0:.0f}s]", flush=True)
     result["rows"].sort(key=lambda r: (r["op"].split("[")[0] != "fp8_gemm" and r["op"] != "bf16_cache_gemm"
                                        and not r["op"].startswith("scaled_mm"), r["shape"], r["M"]))
+    if previous is not None:
+        print(f"(merged into {args.out}: rows of sections {sections} replaced, the others kept)")
     print(format_table(result["rows"]))
     print(json.dumps(result["targets"], indent=None, default=str))
     dump()

@@ -195,6 +195,135 @@ def hc_post_ref(X: torch.Tensor, fx: torch.Tensor, post: torch.Tensor, comb: tor
     return (Xn, res) if not quant else (Xn, *res)
 
 
+# -- MoE: router + MXFP4 routed experts (V4.1 §2.7) ---------------------------------------------------------------
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+ROUTER_NORM_EPS = 1e-20   # V4.1: `+1e-20` on the routing-weight sum
+
+
+def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 [..., N, K/2] int8|uint8 (two e2m1 codes per byte, low nibble = even k) with e8m0 scales [..., N, K/32]
+    (one per 1×32 along K) -> `dtype` [..., N, K]. Exact in fp32, and in bf16 for normal-range scales."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack([b & 0xF, b >> 4], -1).reshape(*b.shape[:-1], b.shape[-1] * 2).long()
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=b.device)
+    vals = table[codes]
+    s = scale_to_fp32(scale).repeat_interleave(QBLOCK, -1)
+    assert s.shape == vals.shape, (tuple(scale.shape), tuple(vals.shape))
+    return (vals * s).to(dtype)
+
+
+def fp8_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
+    """Deploy activation quantization in front of an FP8/FP4-weight linear (`Numerics.act_in`): round to BF16, FP8
+    e4m3 per 1×32 with a pow2 scale, dequantize; returned in BF16 (exact)."""
+    return act_fake_quant_ref(x.to(torch.bfloat16))
+
+
+def sqrtsoftplus_ref(z: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(torch.nn.functional.softplus(z.float()))
+
+
+def router_ref(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+               gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1 `ffn.gate` in fp32: s = sqrt(softplus(x·Wᵀ / gate_temp)); ids = top-k of s + bias (bias for selection
+    only); weights = s at ids / (Σ + eps) (when norm and topk > 1) × route_scale.
+    x [T, D], gate_w [E, D] (BF16), bias [E] fp32 -> (weights fp32 [T, k], ids int64 [T, k])."""
+    scores = sqrtsoftplus_ref((x.float() @ gate_w.float().t()) / gate_temp)
+    idx = (scores + bias.float()).topk(topk, dim=-1).indices
+    w = scores.gather(1, idx)
+    if norm and topk > 1:
+        w = w / (w.sum(-1, keepdim=True) + eps)
+    return w * route_scale, idx
+
+
+def clipped_swiglu_ref(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) · clamp(u, ±limit) in fp32 (no clipping when limit <= 0)."""
+    g, u = g.float(), u.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return torch.nn.functional.silu(g) * u
+
+
+def ffn_ref(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+            route_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert in deploy numerics on the quantized activation xq [R, D] with dequantized fp32 weights w1/w3 [I, D],
+    w2 [D, I]: h = clipped SwiGLU (fp32) × route weight -> BF16 -> FP8 1×32 fake quant -> w2, fp32 out [R, D]."""
+    f = torch.nn.functional
+    h = clipped_swiglu_ref(f.linear(xq.float(), w1), f.linear(xq.float(), w3), limit)
+    if route_weight is not None:
+        h = h * route_weight.float().unsqueeze(-1)
+    return f.linear(fp8_fake_quant_ref(h).float(), w2)
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    w1_q: torch.Tensor, w1_s: torch.Tensor, w3_q: torch.Tensor, w3_s: torch.Tensor,
+                    w2_q: torch.Tensor, w2_s: torch.Tensor, swiglu_limit: float, inter: int | None = None,
+                    shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed MXFP4 experts + shared-expert add, as `model_def.v41.MoE` computes them in deploy numerics (before the
+    TP all-reduce). x [T, D] (BF16), weights/ids [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
+    [E, I_pad, D/32], w2_q [E, D, I_pad/2], w2_s [E, D, I_pad/32] (reference MXFP4 layout, stacked over experts);
+    `inter` = the logical intermediate width (the columns past it are padding and ignored); shared: the shared
+    expert's output [T, D] (any float dtype) or None. Returns fp32 [T, D]: Σ_e (ascending e) y_e + shared."""
+    inter = w1_q.shape[1] if inter is None else inter
+    xq = fp8_fake_quant_ref(x)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        rows, slot = torch.where(ids == e)
+        w1 = mxfp4_dequant_ref(w1_q[e, :inter], w1_s[e, :inter])
+        w3 = mxfp4_dequant_ref(w3_q[e, :inter], w3_s[e, :inter])
+        w2 = mxfp4_dequant_ref(w2_q[e], w2_s[e])[:, :inter]
+        y.index_add_(0, rows, ffn_ref(xq[rows], w1, w3, w2, swiglu_limit, weights[rows, slot]))
+    if shared is not None:
+        y += shared.float()
+    return y
+
+
+def shared_expert_ref(x: torch.Tensor, w1_q: torch.Tensor, w1_s: torch.Tensor, w3_q: torch.Tensor,
+                      w3_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    """The shared expert (group-32 FP8 weights) in deploy numerics, fp32 [T, D]."""
+    w1, w3, w2 = (dequant_weight_ref(q, s) for q, s in ((w1_q, w1_s), (w3_q, w3_s), (w2_q, w2_s)))
+    return ffn_ref(fp8_fake_quant_ref(x), w1, w3, w2, swiglu_limit)
+
+
+def moe_ref(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
+            w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
+            shared: torch.Tensor | None = None, gate_temp: float = 1.0) -> torch.Tensor:
+    """Router + routed experts + shared-expert add (fp32 [T, D], before the TP all-reduce)."""
+    w, idx = router_ref(x, gate_w, gate_bias, topk, route_scale, gate_temp)
+    return moe_experts_ref(x, w, idx, w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit, inter, shared)
+
+
+# -- WO-A grouped output projection (V4.1 §2.4 step 6 / §2.9) --------------------------------------------------------
+def rope_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rd/2] fp32 of positions [T] × inv_freq [rd/2], taken in float64 (as `layers.apply_rope`)."""
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return ang.cos().float(), ang.sin().float()
+
+
+def inverse_rope_ref(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo the query rotation on the last 2·len(cos) channels (interleaved pairs) of o [T, H, d]; fp32, in o.dtype."""
+    rd = cos.shape[-1] * 2
+    c, s = cos.float().unsqueeze(-2), -sin.float().unsqueeze(-2)       # [T, 1, rd/2]
+    of = o.float()
+    r = of[..., -rd:].reshape(*o.shape[:-1], rd // 2, 2)
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).reshape(*o.shape[:-1], rd)
+    return torch.cat([of[..., :-rd], rot], -1).to(o.dtype)
+
+
+def wo_a_ref(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse RoPE, then the grouped low-rank projection: heads split into G = w.shape[0] / R groups,
+    z[:, g·R:(g+1)·R] = o_g · W_a[g]ᵀ (fp32 accumulation). o [T, H, d], w [G·R, (H/G)·d] (BF16) -> [T, G·R]."""
+    t, h, d = o.shape
+    kg = w.shape[1]
+    g = h * d // kg
+    x = inverse_rope_ref(o, cos, sin).reshape(t, g, kg).float()
+    z = torch.einsum("tgi,gri->tgr", x, w.float().view(g, -1, kg))
+    return z.reshape(t, -1).to(out_dtype)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (NaN/inf in out -> inf)."""
     o, r = out.double(), ref.double()

@@ -197,5 +197,60 @@ def _(X, fx, post, comb, next_pre, norm_weight, eps, scale_e8m0=False):
             X.new_empty((t, d // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
+# -- MoE (V4.1 router + MXFP4 routed experts) -------------------------------------------------------------------------
+@torch.library.custom_op("dsflash::moe_router", mutates_args=())
+def moe_router(x: Tensor, gate_w: Tensor, bias: Tensor, topk: int, route_scale: float, gate_temp: float = 1.0
+               ) -> tuple[Tensor, Tensor]:
+    """sqrt(softplus(x·Wgᵀ / gate_temp)) + bias -> top-k ids int32 [T, k], weights fp32 [T, k] (normalised, scaled)."""
+    if x.is_cuda:
+        from dsflash.plugins.moe import router as k
+        w, ids, _ = k(x, gate_w, bias, topk, route_scale, gate_temp, xq_layout=None)
+        return w, ids
+    w, ids = refs.router_ref(x, gate_w, bias, topk, route_scale, gate_temp)
+    return w, ids.to(torch.int32)
+
+
+@moe_router.register_fake
+def _(x, gate_w, bias, topk, route_scale, gate_temp=1.0):
+    t = x.shape[0]
+    return x.new_empty((t, topk), dtype=torch.float32), x.new_empty((t, topk), dtype=torch.int32)
+
+
+@torch.library.custom_op("dsflash::moe", mutates_args=())
+def moe(x: Tensor, gate_w: Tensor, gate_bias: Tensor, topk: int, route_scale: float, w13_q: Tensor, w13_s: Tensor,
+        w2_q: Tensor, w2_s: Tensor, swiglu_limit: float, inter: int, shared: Optional[Tensor] = None,
+        gate_temp: float = 1.0) -> Tensor:
+    """Router + routed MXFP4 experts (w13 stacked [E, 2·I_pad, D/2], w2 [E, D, I_pad/2], e8m0 1×32 scales) + the shared
+    expert's output -> fp32 [T, D] before the TP all-reduce; `inter` = the logical intermediate width."""
+    if x.is_cuda:
+        from dsflash.plugins.moe import moe as k
+        return k(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared,
+                 gate_temp)
+    ipad = w13_q.shape[1] // 2
+    return refs.moe_ref(x, gate_w, gate_bias, topk, route_scale, w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:],
+                        w13_s[:, ipad:], w2_q, w2_s, swiglu_limit, inter, shared, gate_temp)
+
+
+@moe.register_fake
+def _(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared=None,
+      gate_temp=1.0):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+# -- WO-A -------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsflash::wo_a", mutates_args=())
+def wo_a(o: Tensor, cos: Tensor, sin: Tensor, w: Tensor) -> Tensor:
+    """Inverse RoPE (last 2·cos.shape[-1] channels of each head) + grouped projection: o [T, H, d] -> [T, G·R]."""
+    if o.is_cuda:
+        from dsflash.plugins.wo_a import wo_a as k
+        return k(o, cos, sin, w)
+    return refs.wo_a_ref(o, cos, sin, w, o.dtype)
+
+
+@wo_a.register_fake
+def _(o, cos, sin, w):
+    return o.new_empty((o.shape[0], w.shape[0]))
+
+
 OPS = ("act_quant", "rmsnorm_act_quant", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "hc_mix", "hc_pre",
-       "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant")
+       "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")

@@ -2,7 +2,7 @@
 
 The format is the one the DeepSeek release ships as `encoding/encoding_dsv4.py` (V4) and its V4.1 successor:
 
-    <BOS>[<｜System｜>][effort][system text]<｜User｜>question<｜Assistant｜></think>answer<EOS><｜User｜>...<｜Assistant｜>X
+    <BOS>[<｜System｜>][effort][system]<｜User｜>question<｜Assistant｜></think>answer<EOS><｜User｜>...<｜Assistant｜>X
 
 - X, the generation header after the last user turn, is `</think>` in chat mode and `<think>` in thinking mode.
 - V4.1 writes a `<｜System｜>` token before the system text (and before the effort line in thinking mode, even with no
@@ -48,7 +48,7 @@ class Turn:
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, None, or a list of {"type": "text", "text": ...} parts (joined by a blank line)."""
+    """A message's content: a string, None, or a list of {"type": "text", "text": ...} parts (blank-line joined)."""
     if content is None:
         return ""
     if isinstance(content, str):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 log = logging.getLogger("dsflash.serve")
 
@@ -59,6 +61,38 @@ def _bind(host: str, port: int) -> socket.socket:
     return s
 
 
+PIDFILE_ENV = "DSFLASH_SERVE_RANK0_PIDFILE"
+
+
+def _relaunch(world: int, argv: list[str], relaunch) -> int:
+    """Run this command under mpirun; SIGTERM / SIGINT to this process go to rank 0 only, which drains and then
+    stops the workers (mpirun itself would kill every rank at once, cutting requests in flight)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="dsflash-serve-") as d:
+        pidfile = Path(d) / "rank0.pid"
+        os.environ[PIDFILE_ENV] = str(pidfile)
+
+        def forward(sig, frame):
+            try:
+                targets = [int(pidfile.read_text())]
+            except (OSError, ValueError):  # rank 0 not started yet: stop the whole job
+                me = os.getpid()
+                targets = [int(p) for p in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+            for pid in targets:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return relaunch(world, "dsflash.serve.server", argv)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            os.environ.pop(PIDFILE_ENV, None)
+
+
 def _mpi_rank() -> int:
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_rank()
@@ -77,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if eng.world_size > 1 and not under_mpi():
         log.info("engine has %d ranks: relaunching under mpirun -n %d", eng.world_size, eng.world_size)
-        rc = relaunch(eng.world_size, "dsflash.serve.server", argv)
+        rc = _relaunch(eng.world_size, argv, relaunch)
         if rc != 0:
             print(f"dsflash serve: the MPI job exited with status {rc} (a rank failed or was killed; see the rank "
                   f"logs above)", file=sys.stderr)
@@ -85,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if under_mpi() and _mpi_rank() > 0:
         from dsflash.serve.llm_engine import worker_loop
         return worker_loop(a.engine) or 0
-    import os
+    if os.environ.get(PIDFILE_ENV):
+        Path(os.environ[PIDFILE_ENV]).write_text(str(os.getpid()))
     api_key = a.api_key or os.environ.get("DSFLASH_API_KEY") or None
     try:
         http_sock = _bind(a.host, a.port)
@@ -192,3 +227,7 @@ class Server:
             self.engine.shutdown()
             log.info("stopped")
         return self.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,10 +5,13 @@ REPO/<name>/config.pbtxt      Python backend, decoupled (streaming), tensorrtllm
 REPO/<name>/1/model.py        dsflash.serve.triton_model.TritonPythonModel (the in-flight batching engine)
 REPO/<name>_bls/...           unary front (not decoupled) for HTTP /infer and gRPC ModelInfer, like tensorrt_llm_bls
 
-The Python stub embeds its own interpreter, so model.py first adds this environment's site-packages (where dsflash
-and its dependencies are installed) to sys.path. `--backend-dir` also writes a Python-backend directory from the
-`nvidia-pytriton` wheel (its tritonserver binary runs on CPU), with the stub for this Python version copied in.
-Single-rank engines only: a multi-rank engine runs under `dsflash serve` (MPI).
+The Python stub embeds its own interpreter, so model.py first puts this environment's site-packages (where dsflash
+and its dependencies are installed) on sys.path, after any `--extra-site-dir`. The stub of the Triton 2.51 build in
+`nvidia-pytriton` reads numpy 1.x array headers (with numpy 2 its tensors come out empty or garbled), so with
+numpy 2 in this environment pass a directory holding numpy 1.26 (`make` creates `.venv/triton-site`).
+`--backend-dir` also writes a Python-backend directory from `nvidia-pytriton` (its tritonserver binary runs on
+CPU), with the stub for this Python version copied in. Single-rank engines only: a multi-rank engine runs under
+`dsflash serve` (MPI). Several engines can share one repository (one `triton-repo` call each, distinct names).
 """
 from __future__ import annotations
 
@@ -55,23 +58,28 @@ def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, params: dict[s
     return "\n".join(lines) + "\n"
 
 
-def site_dirs() -> list[str]:
-    """Where this interpreter finds dsflash and its dependencies (an editable install's finder is a .pth there)."""
+def site_dirs(extra: list[str] = ()) -> list[str]:
+    """`extra` first, then where this interpreter finds dsflash and its dependencies (an editable install's
+    finder is a .pth file there)."""
     paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    return list(dict.fromkeys([*(str(Path(d).resolve()) for d in extra), paths["purelib"], paths["platlib"]]))
 
 
 def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *, kv_cache_bytes: int | None = None,
                kv_cache_free_gpu_mem_fraction: float | None = None, max_queue_size: int | None = None,
-               max_batch_size: int | None = None, bls_instances: int = 4) -> Path:
+               max_batch_size: int | None = None, bls_instances: int = 4, extra_site_dirs: list[str] = ()) -> Path:
     from dsflash.build.engine import EngineError, open_engine
     eng = open_engine(engine_dir)
     if eng.world_size != 1:
         raise EngineError(f"{engine_dir}: engine has {eng.world_size} ranks; the Triton repository serves "
                           f"single-rank engines (serve multi-rank engines with `dsflash serve`, which runs mpirun)")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise EngineError(f"{out}: output directory exists and is not empty")
+    for model in (name, f"{name}_bls"):
+        if (out / model).exists():
+            raise EngineError(f"{out / model}: model directory already exists")
+    for d in extra_site_dirs:
+        if not Path(d).is_dir():
+            raise EngineError(f"{d}: --extra-site-dir is not a directory")
     built = eng.meta["build_config"]
     mbs = max_batch_size or int(built["max_batch_size"])
     params = {"engine_dir": str(Path(engine_dir).resolve())}
@@ -89,7 +97,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *
         d = out / model / "1"
         d.mkdir(parents=True)
         (out / model / "config.pbtxt").write_text(config_pbtxt(model, mbs, decoupled, extra, count))
-        (d / "model.py").write_text(MODEL_PY.format(site_dirs=site_dirs(), cls=cls))
+        (d / "model.py").write_text(MODEL_PY.format(site_dirs=site_dirs(extra_site_dirs), cls=cls))
     return out
 
 
@@ -134,13 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsflash triton-repo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine directory made by `dsflash build` (one rank)")
-    p.add_argument("--out", required=True, help="model repository to write (must not exist or be empty)")
+    p.add_argument("--out", required=True, help="model repository to write into (the model folders must not exist)")
     p.add_argument("--model-name", default="dsflash", help="Triton model name (the unary front is <name>_bls)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-bytes", type=int, default=None)
     kv.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=None)
     p.add_argument("--max-queue-size", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--extra-site-dir", action="append", default=[],
+                   help="put this directory first on the stub's sys.path (e.g. one holding numpy 1.26); repeatable")
     p.add_argument("--backend-dir", default=None,
                    help="also write a Python-backend directory from nvidia-pytriton here (for --backend-directory)")
     a = p.parse_args(argv)
@@ -148,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         repo = write_repo(a.engine, a.out, a.model_name, kv_cache_bytes=a.kv_cache_bytes,
                           kv_cache_free_gpu_mem_fraction=a.kv_cache_free_gpu_mem_fraction,
-                          max_queue_size=a.max_queue_size, max_batch_size=a.max_batch_size)
+                          max_queue_size=a.max_queue_size, max_batch_size=a.max_batch_size,
+                          extra_site_dirs=a.extra_site_dir)
         backends = write_backend_dir(a.backend_dir) if a.backend_dir else None
     except (EngineError, OSError) as e:
         print(f"dsflash triton-repo: {e}", file=sys.stderr)

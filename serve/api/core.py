@@ -86,30 +86,35 @@ class Frontend:
             raise APIError(400, str(e)) from None
 
     # -- admission -----------------------------------------------------------------------------------------------
+    def api_error(self, e: BaseException) -> APIError:
+        """The status an engine exception maps to (APIError passes through; unknown ones are 500)."""
+        from dsflash.serve.llm_engine import EngineDeadError, QueueFullError
+        retry = self.limits.retry_after_s
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, QueueFullError):
+            if self.draining or not self.engine.ready:
+                return APIError(503, str(e), retry_after=retry)
+            return APIError(429, f"server overloaded: {e}", retry_after=retry)
+        if isinstance(e, EngineDeadError):
+            return APIError(503, str(e), retry_after=retry)
+        if isinstance(e, ValueError):
+            return APIError(400, str(e))
+        return APIError(500, f"generation failed: {type(e).__name__}: {e}")
+
     async def start(self, prompt_ids: list[int], params, prefix: str = "req", request_id: str | None = None):
         """Admit a request; returns its Stream. APIError: 400 invalid, 429 queue full, 503 draining / engine down."""
-        from dsflash.serve.llm_engine import EngineDeadError, QueueFullError, Request
-        retry = self.limits.retry_after_s
+        from dsflash.serve.llm_engine import Request
         if self.draining:
-            self.metrics.record_error(503)
-            raise APIError(503, "server is shutting down; retry on another replica", retry_after=retry)
+            raise APIError(503, "server is shutting down; retry on another replica",
+                           retry_after=self.limits.retry_after_s)
         self.check_prompt(prompt_ids)
         req = Request(request_id or new_request_id(prefix), prompt_ids, params)
         agen = self.engine.generate(req)
         first = asyncio.ensure_future(agen.__anext__())
         await asyncio.sleep(0)  # the generator admits the request synchronously on its first step
         if first.done() and first.exception() is not None:
-            e = first.exception()
-            if isinstance(e, QueueFullError):
-                status, msg = (503, str(e)) if self.draining or not self.engine.ready else (429, f"server overloaded: {e}")
-            elif isinstance(e, EngineDeadError):
-                status, msg = 503, str(e)
-            elif isinstance(e, ValueError):
-                status, msg = 400, str(e)
-            else:
-                raise e
-            self.metrics.record_error(status)
-            raise APIError(status, msg, retry_after=retry if status != 400 else None)
+            raise self.api_error(first.exception())
         return Stream(self, req, agen, first)
 
 
@@ -144,10 +149,8 @@ class Stream:
             self.done = True
             raise
         except Exception as e:
-            from dsflash.serve.llm_engine import EngineDeadError
             self.done = True
-            self.fe.metrics.record_error(503 if isinstance(e, EngineDeadError) else 500)
-            raise APIError(503 if isinstance(e, EngineDeadError) else 500, f"generation failed: {e}") from e
+            raise self.fe.api_error(e) from e
         if out.new_token_ids and self.ttft is None:
             self.ttft = time.monotonic() - self.t0
         self.token_ids += out.new_token_ids

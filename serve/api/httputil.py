@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dsflash.serve.api.security import APIError, check_json_object
+
+log = logging.getLogger("dsflash.serve")
 
 
 class ClientGone(Exception):
@@ -94,6 +97,9 @@ class EventStream(Response):
         watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() and not task.cancelled() and task.exception() is not None \
+                    and not isinstance(task.exception(), OSError):
+                log.error("event stream failed", exc_info=task.exception())
         finally:
             for t in (task, watch):
                 t.cancel()

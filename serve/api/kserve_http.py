@@ -267,6 +267,7 @@ async def generate(fe: Frontend, request: Request, stream: bool = False) -> Resp
         except ClientGone:
             return Response(status_code=499)
         except APIError as e:
+            fe.metrics.record_error(e.status)
             return kserve_error(e)
         return JSONResponse(payload(tensors.outputs_for(jobs, results)))
 
@@ -278,5 +279,6 @@ async def generate(fe: Frontend, request: Request, stream: bool = False) -> Resp
                 lp = [e["logprob"] for e in o.logprobs or []]
                 yield sse(payload(tensors.outputs_for(jobs, [(o.new_token_ids, o.text, lp)], streamed=True)))
         except APIError as e:
+            fe.metrics.record_error(e.status)
             yield sse({"error": e.message})
     return EventStream(events(), on_close=s.aclose)

@@ -89,7 +89,7 @@ class Metrics:
             n = family("request_errors_total", "counter", "Requests rejected or failed, by HTTP status.")
             lines += [f'{n}{{code="{s}"}} {c}' for s, c in sorted(self.errors.items())] or [f"{n} 0"]
             for name, h, text in (("time_to_first_token_seconds", self.ttft, "Time to first token."),
-                                  ("time_per_output_token_seconds", self.tpot, "Time per output token after the first."),
+                                  ("time_per_output_token_seconds", self.tpot, "Time per output token after the 1st."),
                                   ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency.")):
                 lines += h.lines(family(name, "histogram", text))
         stats = stats or {}

@@ -84,29 +84,33 @@ def chat_logprobs(fe: Frontend, entries: list[dict]) -> dict:
 
 
 class ThinkingSplit:
-    """Route a reply's text into reasoning / content: reasoning runs up to the `</think>` token.
+    """Route a reply's text into reasoning / content: reasoning runs up to the first `</think>` token.
 
-    The engine's text skips special tokens, so the boundary is found on the token ids: once `</think>` is seen, the
-    reasoning is exactly the decoded text of the tokens before it; text is routed by its position relative to that."""
+    The boundary is found on the token ids: once `</think>` is generated, the reasoning is exactly the decoded text
+    of the tokens before it, and the text that token itself decodes to (if the tokenizer keeps it) is dropped; the
+    engine's text deltas are routed by their position relative to that boundary."""
 
     def __init__(self, fe: Frontend, thinking: bool):
         self.fe, self.thinking = fe, thinking
         self.end_id = fe.tokenizer.token_id(THINK_END) if (thinking and fe.tokenizer is not None) else None
-        self.boundary = None if thinking else 0   # text position where content starts
+        self.cut = None if thinking else (0, 0)   # (reasoning end, content start) as text positions
         self.ids: list[int] = []
         self.pos = 0
 
     def push(self, new_ids: list[int], text: str) -> tuple[str, str]:
         """(reasoning delta, content delta) for one Output."""
-        if self.boundary is None and self.end_id is not None:
+        if self.cut is None and self.end_id is not None:
             for t in new_ids:
                 if t == self.end_id:
-                    self.boundary = len(self.fe.decode(self.ids))
+                    end = len(self.fe.decode(self.ids))
+                    self.cut = (end, len(self.fe.decode(self.ids + [t])))
                     break
                 self.ids.append(t)
         start, self.pos = self.pos, self.pos + len(text)
-        cut = self.pos if self.boundary is None else min(max(self.boundary - start, 0), len(text))
-        return text[:cut], text[cut:]
+        if self.cut is None:
+            return text, ""
+        a, b = (min(max(c - start, 0), len(text)) for c in self.cut)
+        return text[:a], text[b:]
 
 
 async def list_models(fe: Frontend, request: Request) -> Response:
@@ -115,7 +119,7 @@ async def list_models(fe: Frontend, request: Request) -> Response:
          "max_model_len": fe.max_seq_len}]})
 
 
-async def _prepare_completion(fe: Frontend, body: dict):
+def _prepare_completion(fe: Frontend, body: dict):
     _refuse(body)
     fe.check_model(field(body, "model", "str"))
     prompt = body.get("prompt")
@@ -137,13 +141,13 @@ async def _prepare_completion(fe: Frontend, body: dict):
 async def completions(fe: Frontend, request: Request) -> Response:
     try:
         body = await read_json(request, fe.limits.max_body_bytes)
-        ids, params = await _prepare_completion(fe, body)
+        ids, params = _prepare_completion(fe, body)
         stream_mode = field(body, "stream", "bool", False)
         include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
         want_ids = field(body, "return_token_ids", "bool", False)
         s = await fe.start(ids, params, "cmpl")
     except APIError as e:
-        fe.metrics.record_error(e.status) if e.status in (400, 404, 413) else None
+        fe.metrics.record_error(e.status)
         return openai_error(e)
     created, model = int(time.time()), fe.model_name
     base = {"id": s.request_id, "object": "text_completion", "created": created, "model": model}
@@ -155,6 +159,7 @@ async def completions(fe: Frontend, request: Request) -> Response:
             return Response(status_code=499)
         except APIError as e:
             await s.aclose()
+            fe.metrics.record_error(e.status)
             return openai_error(e)
         choice = {"index": 0, "text": s.text, "logprobs": completion_logprobs(fe, s.logprobs) if params.logprobs
                   is not None else None, "finish_reason": s.finish_reason}
@@ -182,6 +187,7 @@ async def completions(fe: Frontend, request: Request) -> Response:
             if include_usage:
                 yield sse({**base, "choices": [], "usage": _usage(s)})
         except APIError as e:
+            fe.metrics.record_error(e.status)
             yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
         yield "data: [DONE]\n\n"
     return EventStream(events(), on_close=s.aclose)
@@ -222,7 +228,7 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
         want_ids = field(body, "return_token_ids", "bool", False)
         s = await fe.start(ids, params, "chatcmpl")
     except APIError as e:
-        fe.metrics.record_error(e.status) if e.status in (400, 404, 413) else None
+        fe.metrics.record_error(e.status)
         return openai_error(e)
     base = {"id": s.request_id, "object": "chat.completion", "created": int(time.time()), "model": fe.model_name}
     split = ThinkingSplit(fe, thinking)
@@ -234,6 +240,7 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
             return Response(status_code=499)
         except APIError as e:
             await s.aclose()
+            fe.metrics.record_error(e.status)
             return openai_error(e)
         reasoning, content = split.push(s.token_ids, s.text)
         msg = {"role": "assistant", "content": content, "reasoning_content": reasoning if thinking else None}
@@ -267,6 +274,7 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
             if include_usage:
                 yield sse({**chunk_base, "choices": [], "usage": _usage(s)})
         except APIError as e:
+            fe.metrics.record_error(e.status)
             yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
         yield "data: [DONE]\n\n"
     return EventStream(events(), on_close=s.aclose)

@@ -21,6 +21,13 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 N_NEW = 6
 
 
+def engines_dir(tmp_path_factory) -> Path:
+    """One folder per test session for the engines and their reference outputs (shared by the test modules)."""
+    d = tmp_path_factory.getbasetemp() / "serve-engines"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def tiny_engine(base: Path, family: str, tp: int = 1) -> tuple[Path, Path]:
     """(hf dir, engine dir) of the tiny synthetic `family` model, built once under `base`."""
     from dsflash.build.engine import write_engine
@@ -34,6 +41,40 @@ def tiny_engine(base: Path, family: str, tp: int = 1) -> tuple[Path, Path]:
     if not (eng / "engine.json").is_file():
         write_engine(hf, eng, Mapping(world_size=tp, tp_size=tp), "cpu", BuildConfig(), progress=False)
     return hf, eng
+
+
+def references(family: str, hf: Path, engine: Path, tok) -> tuple[dict, dict]:
+    """Prompts (ids) and their greedy continuations, where the reference model (`load_reference(...)
+    .generate_greedy`) and the engine's model (what `dsflash generate --engine` runs) agree; cached per session."""
+    cache = engine.parent / f"refs-{engine.name}.json"
+    if cache.is_file():
+        data = json.loads(cache.read_text())
+        return data["prompts"], data["ref"]
+    import torch
+    from dsflash.build.engine import load_engine_model
+    from dsflash.model_def import load_reference
+    from dsflash.serve.encoding import encode_messages
+    prompts = {"ids": PROMPT_IDS, "text": tok.encode(PROMPT_TEXT),
+               "chat": tok.encode(encode_messages(CHAT, family), add_bos=False),
+               "think": tok.encode(encode_messages(CHAT, family, thinking=True), add_bos=False)}
+    reference = load_reference(hf, numerics="deploy")
+    built, _ = load_engine_model(engine)
+    ref = {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            a = reference.generate_greedy(torch.tensor([ids]), N_NEW)[0, len(ids):].tolist()
+            b = built.generate_greedy(torch.tensor([ids]), N_NEW)[0, len(ids):].tolist()
+            assert a == b, f"{family} {name}: engine {b} != reference {a}"
+            ref[name] = a
+    cache.write_text(json.dumps({"prompts": prompts, "ref": ref}))
+    return prompts, ref
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Served:

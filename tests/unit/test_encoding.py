@@ -74,4 +74,5 @@ def test_invalid_effort_and_family():
         encode_messages(msgs, family="v4", reasoning_effort="low")
     with pytest.raises(ValueError, match="family"):
         encode_messages(msgs, family="v3")
-    assert encode_messages(msgs, add_bos=False).startswith("<｜User｜>") and BOS not in encode_messages(msgs, add_bos=False)
+    bare = encode_messages(msgs, add_bos=False)
+    assert bare.startswith("<｜User｜>") and BOS not in bare

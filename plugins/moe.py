@@ -1,0 +1,656 @@
+"""V4.1 MoE on Hopper: router kernel, expert-sorted layout, and MXFP4-weight × BF16-activation grouped GEMMs.
+
+Pipeline (five launches, no host sync, CUDA-graph capturable):
+1. `_router_logits_kernel`: logits [T, E] = x·Wgᵀ (BF16 operands, fp32 accumulation: the reference's fp32 linear
+   on BF16 values has the same products); the programs of the first expert tile also write the deploy activation
+   xq = FP8 1×32 fake-quant of x (BF16, exact), which both expert GEMMs and nothing else read.
+2. `_router_topk_kernel`: s = sqrt(softplus(logits / gate_temp)), top-k of s + bias (bias for selection only),
+   weights = s at the ids / (Σ + eps) × routed_scaling_factor -> ids int32 [T, k], weights fp32 [T, k].
+3. `_moe_align_kernel` (one program): the (token, slot) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M with a sentinel; expert offsets [E + 1]. The GEMMs launch the worst-case number of M blocks
+   (cdiv(T·k, BM) + min(E, T·k)) and idle blocks past the end return at once.
+4. `_moe_w13_kernel`: per (M block of one expert, N tile of the intermediate): g = xq·W1ᵀ, u = xq·W3ᵀ with the MXFP4
+   weights dequantized in registers (`tl.dot_scaled`: e2m1 × e8m0 -> BF16, exact) on BF16 tensor cores, fp32
+   accumulation; epilogue = clipped SwiGLU, × routing weight, round to BF16, FP8 1×32 fake quant along the
+   intermediate (what the reference's w2 input goes through), columns past the logical width forced to 0 -> h BF16.
+5. `_moe_w2_kernel`: y = h·W2ᵀ per expert block, fp32 atomically added into the output, which starts as the shared
+   expert's output (so the weighted reduction over experts and the shared-expert add are one pass).
+
+Weights are consumed in the plain reference MXFP4 layout stacked over experts (int8 [E, N, K/2], low nibble = even
+k; e8m0 [E, N, K/32]), not the hopper Marlin repack: the Marlin order is the register-fragment order of
+`mma.sync.m16n8k16`, which Triton does not expose; `tl.dot_scaled` takes the K-packed OCP layout as is.
+The GEMMs are swap-AB (weight rows on the MMA's M side, the block's ≤ BLOCK_M tokens on its N side), so a decode
+block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this module lazily.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
+    ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
+
+QBLOCK = 32
+
+
+# -- shared helpers ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 fake quant with one pow2 scale per 32 consecutive
+    ROWS of each column (the reference's 1×32 blocks run along dim 0 of this transposed tile); fp32 out, exact.
+    Scale 2^e, e = ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern (as act_quant._quant_g32)."""
+    v3 = tl.reshape(v, (ROWS // 32, 32, COLS))
+    amax = tl.maximum(tl.max(tl.abs(v3), axis=1), 1e-4)                 # [ROWS/32, COLS]
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    sc = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(v3 * inv[:, None, :], -448.0), 448.0).to(tl.float8e4nv)
+    return tl.reshape(q.to(tl.float32) * sc[:, None, :], (ROWS, COLS))
+
+
+# -- 1. router logits (+ the deploy activation) -----------------------------------------------------------------------
+@triton.jit
+def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, stride_w, stride_l, stride_xq,
+                          BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_PERM: tl.constexpr):
+    pid_e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    me = offs_e < E
+    mt = offs_t < T
+    w_ptrs = wg_ptr + offs_e.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    x_ptrs = x_ptr + offs_t.to(tl.int64)[None, :] * stride_x + offs_k[:, None]
+    acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptrs + k0, mask=me[:, None], other=0.0)
+        xt = tl.load(x_ptrs + k0, mask=mt[None, :], other=0.0)            # [BLOCK_K, BLOCK_T] bf16
+        acc = tl.dot(w, xt, acc)
+        if WRITE_XQ:
+            if pid_e == 0:
+                xq = _fake_quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
+                if XQ_PERM:   # the decode GEMV's pair-permuted fp32 layout, ×2^6 (exact)
+                    tl.store(xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq + _pair_perm(k0 + offs_k, K)[:, None],
+                             xq * 64.0, mask=mt[None, :])
+                else:
+                    tl.store(xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq + (k0 + offs_k)[:, None],
+                             xq.to(xq_ptr.dtype.element_ty), mask=mt[None, :])
+    tl.store(logits_ptr + offs_t.to(tl.int64)[None, :] * stride_l + offs_e[:, None], acc,
+             mask=me[:, None] & mt[None, :])
+
+
+# -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
+@triton.jit
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, gate_temp, route_scale, eps,
+                        TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, NB_E: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, NB_E)
+    kcol = tl.arange(0, KP)
+    mt = offs_t < T
+    mc = cols < E
+    z = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=mt[:, None] & mc[None, :],
+                other=0.0)
+    z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
+    sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
+    s = tl.math.sqrt_rn(sp)
+    bias = tl.load(bias_ptr + cols, mask=mc, other=0.0)
+    sel = tl.where(mc[None, :], s + bias[None, :], float("-inf"))
+    ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    wts = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    for j in tl.static_range(TOPK):     # k passes of (max, lowest index at the max); picked entries drop to -inf
+        m = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == m[:, None], cols[None, :], NB_E), axis=1)
+        hit = cols[None, :] == idx[:, None]
+        wj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        sel = tl.where(hit, float("-inf"), sel)
+        ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
+        wts = tl.where(kcol[None, :] == j, wj[:, None], wts)
+    if NORM:
+        den = tl.sum(wts, axis=1) + eps
+        wts = tl.math.div_rn(wts, tl.broadcast_to(den[:, None], (BLOCK_T, KP)))
+    wts = wts * route_scale
+    out = offs_t[:, None] * TOPK + kcol[None, :]
+    m2 = mt[:, None] & (kcol < TOPK)[None, :]
+    tl.store(ids_ptr + out, ids, mask=m2)
+    tl.store(w_ptr + out, wts, mask=m2)
+
+
+# -- 3. expert-sorted layout ------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ptr, off_ptr, cnt_ptr, P, E, MAX_SLOTS,
+                      BLOCK_M: tl.constexpr, NB_E: tl.constexpr, BLOCK: tl.constexpr):
+    """One program. sorted[off[e] .. off[e] + count_e) = the pair indices p = t·k + j routed to expert e (order
+    within an expert: atomic arrival), the rest of each BLOCK_M-padded run = P (sentinel); off [E + 1]."""
+    cols = tl.arange(0, NB_E)
+    r = tl.arange(0, BLOCK)
+    counts = tl.zeros([NB_E], dtype=tl.int32)
+    for c0 in range(0, P, BLOCK):
+        m = c0 + r < P
+        ids = tl.load(ids_ptr + c0 + r, mask=m, other=NB_E - 1)          # masked lanes land in an unused bin
+        counts += tl.histogram(ids, NB_E)
+    counts = tl.where(cols < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    excl = tl.cumsum(padded, 0) - padded
+    tl.store(off_ptr + cols, excl, mask=cols <= E)
+    tl.store(cnt_ptr + cols, excl)
+    for s0 in range(0, MAX_SLOTS, BLOCK):
+        tl.store(sorted_ptr + s0 + r, P, mask=s0 + r < MAX_SLOTS)
+    tl.debug_barrier()
+    for c0 in range(0, P, BLOCK):
+        m = c0 + r < P
+        ids = tl.load(ids_ptr + c0 + r, mask=m, other=0)
+        pos = tl.atomic_add(cnt_ptr + ids, 1, mask=m)
+        tl.store(sorted_ptr + pos, c0 + r, mask=m)
+
+
+@triton.jit
+def _block_expert(off_ptr, E, start, NB_E: tl.constexpr):
+    """The expert whose padded run holds slot `start` (off non-decreasing, off[0] = 0 <= start < off[E])."""
+    cols = tl.arange(0, NB_E)
+    off = tl.load(off_ptr + cols, mask=cols <= E, other=2147483647)
+    return tl.sum((off <= start).to(tl.int32), axis=0) - 1
+
+
+# -- 4. w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 fake quant -------------------------------------------------
+@triton.jit
+def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_ptr,
+                    N, N_VALID, K, E, P, TOPK,
+                    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                    limit,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = pid_m * BLOCK_M
+    total = tl.load(off_ptr + E)
+    if start >= total:
+        return
+    e = _block_expert(off_ptr, E, start, NB_E).to(tl.int64)
+    slots = start + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + slots)
+    valid = pair < P
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    x_ptrs = xq_ptr + tok[None, :] * stride_x + offs_k[:, None]                          # [BK, BM]
+    wrow = e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kb[None, :]   # [BN, BK/2]
+    srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]   # [BN, BK/32]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        xt = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+        w1 = tl.load(w13_ptr + wrow + k0 // 2, mask=mn[:, None], other=0)
+        s1 = tl.load(s13_ptr + srow + k0 // 32, mask=mn[:, None], other=127)
+        w3 = tl.load(w13_ptr + (wrow + N * stride_wn) + k0 // 2, mask=mn[:, None], other=0)
+        s3 = tl.load(s13_ptr + (srow + N * stride_sn) + k0 // 32, mask=mn[:, None], other=127)
+        acc_g = tl.dot_scaled(w1, s1, "e2m1", xt, None, "bf16", acc_g)
+        acc_u = tl.dot_scaled(w3, s3, "e2m1", xt, None, "bf16", acc_u)
+    if limit > 0:
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        acc_g = tl.minimum(acc_g, limit)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    rw = tl.load(topw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    h = h * rw[None, :]
+    h = tl.where((offs_n < N_VALID)[:, None], h, 0.0)
+    h = _fake_quant_cols(h.to(tl.bfloat16).to(tl.float32), BLOCK_N, BLOCK_M)
+    tl.store(h_ptr + slots.to(tl.int64)[None, :] * stride_h + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
+             mask=mn[:, None] & valid[None, :])
+
+
+# -- 5. w2 + weighted reduction into the shared-expert output ----------------------------------------------------------
+@triton.jit
+def _moe_w2_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, sorted_ptr, off_ptr,
+                   N, K, E, P, TOPK,
+                   stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = pid_m * BLOCK_M
+    total = tl.load(off_ptr + E)
+    if start >= total:
+        return
+    e = _block_expert(off_ptr, E, start, NB_E).to(tl.int64)
+    slots = start + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + slots)
+    valid = pair < P
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    h_ptrs = h_ptr + slots.to(tl.int64)[None, :] * stride_h + offs_k[:, None]           # [BK, BM]
+    wrow = e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kb[None, :]
+    srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        ht = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
+        w2 = tl.load(w2_ptr + wrow + k0 // 2, mask=mn[:, None], other=0)
+        s2 = tl.load(s2_ptr + srow + k0 // 32, mask=mn[:, None], other=127)
+        acc = tl.dot_scaled(w2, s2, "e2m1", ht, None, "bf16", acc)
+    tl.atomic_add(out_ptr + tok[None, :] * stride_o + offs_n[:, None], acc, mask=mn[:, None] & valid[None, :],
+                  sem="relaxed")
+
+
+
+# -- 4'/5'. decode path: one (token, expert) pair per program, CUDA-core GEMV ------------------------------------------
+# MXFP4 word -> 8 fp32 values, fused with the dot against 8 activations. Per int32 word (8 e2m1 codes, code i =
+# element 8j + i, low nibble of byte b = element 2b): the codes are re-biased into FP8 e4m3 bytes in place (e2m1
+# [s e1 e0 m] -> e4m3 with the same exponent/mantissa bits, i.e. value·2^-6; the e2m1 subnormal 0.5 becomes the e4m3
+# subnormal 2^-7, so every code is exact) with 3-input logic ops on all 4 bytes at once, converted two at a time by
+# the FP8->f16x2 unit, widened to fp32 and multiply-added with the activations; the e8m0 scale (times 2^6) multiplies
+# the word's partial dot once (the activations are stored ×2^6, so the scale is the e8m0 exponent bits as an fp32,
+# 2^(e - 127)). $0 = acc out; $1..$4 = activation pairs (e0,e1) (e2,e3) (e4,e5) (e6,e7) as b64;
+# $5 = acc in; $6 = the word; $7 = the scale 2^(e - 127).
+_MX_DOT8_ASM = tl.constexpr("""
+{
+.reg .b32 t, lo, hi, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7;
+.reg .b16 b0, b1, b2, b3, f0, f1;
+.reg .f32 v, a;
+shl.b32 t, $6, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 lo, $6, 2;
+and.b32 lo, lo, 0x1C1C1C1C;
+or.b32 lo, lo, t;
+shr.b32 t, $6, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 hi, $6, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {b0, b1}, lo;
+mov.b32 {b2, b3}, hi;
+cvt.rn.f16x2.e4m3x2 h0, b0;
+cvt.rn.f16x2.e4m3x2 h1, b1;
+cvt.rn.f16x2.e4m3x2 h2, b2;
+cvt.rn.f16x2.e4m3x2 h3, b3;
+mov.b64 {x0, x1}, $1;
+mov.b64 {x2, x3}, $2;
+mov.b64 {x4, x5}, $3;
+mov.b64 {x6, x7}, $4;
+mov.b32 {f0, f1}, h0;
+cvt.f32.f16 v, f0;
+mul.rn.f32 a, v, x0;
+cvt.f32.f16 v, f1;
+fma.rn.f32 a, v, x2, a;
+mov.b32 {f0, f1}, h2;
+cvt.f32.f16 v, f0;
+fma.rn.f32 a, v, x1, a;
+cvt.f32.f16 v, f1;
+fma.rn.f32 a, v, x3, a;
+mov.b32 {f0, f1}, h1;
+cvt.f32.f16 v, f0;
+fma.rn.f32 a, v, x4, a;
+cvt.f32.f16 v, f1;
+fma.rn.f32 a, v, x6, a;
+mov.b32 {f0, f1}, h3;
+cvt.f32.f16 v, f0;
+fma.rn.f32 a, v, x5, a;
+cvt.f32.f16 v, f1;
+fma.rn.f32 a, v, x7, a;
+fma.rn.f32 $0, a, $7, $5;
+}
+""")
+
+
+@triton.jit
+def _mx_dot8(acc, w, sc, xa, xb, xc, xd):
+    return tl.inline_asm_elementwise(_MX_DOT8_ASM, "=f,l,l,l,l,f,r,f", [xa, xb, xc, xd, acc, w, sc],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mx_load_x(x_ptrs, K8, mw, EVEN: tl.constexpr):
+    """The activations of BW words in the pair-permuted layout (int64 view [4, K/8]: entry q of word j holds the
+    fp32 pair 2^6·(x[8j + 2q], x[8j + 2q + 1])) -> 4 int64 tensors [1, BW]."""
+    if EVEN:
+        xa = tl.load(x_ptrs)
+        xb = tl.load(x_ptrs + K8)
+        xc = tl.load(x_ptrs + 2 * K8)
+        xd = tl.load(x_ptrs + 3 * K8)
+    else:
+        xa = tl.load(x_ptrs, mask=mw, other=0)
+        xb = tl.load(x_ptrs + K8, mask=mw, other=0)
+        xc = tl.load(x_ptrs + 2 * K8, mask=mw, other=0)
+        xd = tl.load(x_ptrs + 3 * K8, mask=mw, other=0)
+    return xa[None, :], xb[None, :], xc[None, :], xd[None, :]
+
+
+@triton.jit
+def _mx_gemv_step(acc, w_ptrs, s_ptrs, xa, xb, xc, xd, mw, mn, EVEN: tl.constexpr):
+    """acc [BN, BW] += the dot of BW int32 words (8 codes each) per row with the activations. EVEN: no masks."""
+    if EVEN:
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
+        s = tl.load(s_ptrs, mask=mn[:, None] & mw[None, :], other=0)
+    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return _mx_dot8(acc, w, sc, xa, xb, xc, xd)
+
+
+@triton.jit
+def _pair_perm(n, N):
+    """Index of element n of a row of N in the pair-permuted fp32 layout [4, N/8, 2]."""
+    return ((n % 8) // 2) * (N // 4) + (n // 8) * 2 + n % 2
+
+
+@triton.jit
+def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr,
+                         N, N_VALID, K, TOPK, limit,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
+    the stacked w13 [E, 2N, K/2]): g, u over K, then the w13 epilogue; h is written in the pair-permuted fp32
+    layout the w2 GEMV reads."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    t = p // TOPK
+    BW: tl.constexpr = BLOCK_K // 8
+    K8 = K // 8
+    r = tl.arange(0, 2 * BLOCK_N)
+    rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
+    mn = pid_n * BLOCK_N + r % BLOCK_N < N
+    ow = tl.arange(0, BW)
+    wrow = rows[:, None] * K8 + ow[None, :]                  # int32 words [2BN, BW] within the expert
+    srow = rows[:, None] * (K // 32) + (ow // 4)[None, :]     # one e8m0 per 4 words
+    w_e = w13_ptr + e * 2 * N * K8
+    s_e = s13_ptr + e * 2 * N * (K // 32)
+    xrow = xp_ptr + t.to(tl.int64) * (K // 2) + ow           # int64 view of the pair-permuted fp32 row
+    acc = tl.zeros([2 * BLOCK_N, BW], dtype=tl.float32)
+    for k8 in tl.range(0, K8, BW, num_stages=NUM_STAGES):
+        mw = k8 + ow < K8
+        xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
+        acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+    gu = tl.sum(acc, axis=1)
+    g, u = tl.split(tl.trans(tl.reshape(gu, (2, BLOCK_N))))
+    if limit > 0:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    h = g / (1.0 + tl.exp(-g)) * u * tl.load(topw_ptr + p)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.where(offs_n < N_VALID, h, 0.0)
+    h = tl.reshape(_fake_quant_cols(tl.reshape(h.to(tl.bfloat16).to(tl.float32), (BLOCK_N, 1)), BLOCK_N, 1),
+                   (BLOCK_N,))
+    tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm(offs_n, N), h * 64.0, mask=offs_n < N)
+
+
+@triton.jit
+def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """Pair p, output features [pid_n·BN, +BN): y = h_p·W2[e]ᵀ, atomically added (fp32) into out[t]."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    t = p // TOPK
+    BW: tl.constexpr = BLOCK_K // 8
+    K8 = K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    ow = tl.arange(0, BW)
+    wrow = offs_n[:, None] * K8 + ow[None, :]
+    srow = offs_n[:, None] * (K // 32) + (ow // 4)[None, :]
+    w2_e = w2_ptr + e * N * K8
+    s2_e = s2_ptr + e * N * (K // 32)
+    hrow = hp_ptr + p.to(tl.int64) * (K // 2) + ow
+    acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+    for k8 in tl.range(0, K8, BW, num_stages=NUM_STAGES):
+        mw = k8 + ow < K8
+        xa, xb, xc, xd = _mx_load_x(hrow + k8, K8, mw, EVEN)
+        acc = _mx_gemv_step(acc, w2_e + wrow + k8, s2_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+    y = tl.sum(acc, axis=1)
+    tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
+
+
+# -- configs ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeConfig:
+    """Expert-GEMM tiles. gemv: the decode path (one (token, expert) pair per program, CUDA-core GEMV, bn13/bk13
+    for the w13 tile of 2·bn13 rows, bn2/bk2 for w2, no token blocks); else the sorted path (block_m tokens of one
+    expert per program, MXFP4 dequantized to BF16 in registers by `tl.dot_scaled`, BF16 tensor cores)."""
+    gemv: bool = True
+    bn13: int = 64
+    bk13: int = 128
+    bn2: int = 128
+    bk2: int = 128
+    warps: int = 4          # w13 kernel
+    stages: int = 4
+    block_m: int = 16
+    warps2: int = 4         # w2 kernel
+
+    def tag(self) -> str:
+        kind = "gemv" if self.gemv else f"mma_m{self.block_m}"
+        return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}_2n{self.bn2}k{self.bk2}w{self.warps2}"
+                f"_s{self.stages}")
+
+
+def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int) -> MoeConfig:
+    """GEMV warps sized so each thread holds 16 weight words (128 codes) per step: the activations it loads are
+    then reused over 4 rows (measured by SASS instruction counts: 4.6-4.7 instructions per weight element; 8
+    rows-words per thread or fewer cost 6-8)."""
+    return MoeConfig(True, bn13, bk13, bn2, bk2, max(1, 2 * bn13 * (bk13 // 8) // 512), stages, 16,
+                     max(1, bn2 * (bk2 // 8) // 512))
+
+
+def _div(n: int, want: int, floor: int) -> int:
+    """The largest power of two <= want dividing n (at least floor)."""
+    b = want
+    while b > floor and n % b:
+        b //= 2
+    return b
+
+
+def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
+    """Decode (T·k <= 2E, i.e. about one token per active expert): the GEMV path; tiles dividing the shapes so the
+    loads need no masks (w13 64 rows of w1 + 64 of w3, 128 K per step; w2 128 rows). Larger M: the sorted
+    BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48 tokens)."""
+    if t * topk <= 2 * n_experts:
+        return _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
+                         _div(inter, 128, 32), 4)
+    avg = t * topk / max(1, n_experts)
+    bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
+    if bm == 16:
+        return MoeConfig(False, 32, _div(dim, 128, 32), 64, _div(inter, 128, 32), 4, 3, 16, 4)
+    return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
+
+
+def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
+    """Tile candidates the bench times (the default first)."""
+    d = default_moe_config(t, topk, n_experts, inter, dim)
+    out = [d]
+    if d.gemv:
+        out += [_gemv_cfg(_div(inter, 128, 32), _div(dim, 128, 32), _div(dim, 256, 32), _div(inter, 128, 32), 4),
+                _gemv_cfg(_div(inter, 64, 32), _div(dim, 256, 32), _div(dim, 128, 32), _div(inter, 256, 32), 3)]
+    return list(dict.fromkeys(out))
+
+
+# -- wrappers ---------------------------------------------------------------------------------------------------------
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def gemv_act(xq: torch.Tensor) -> torch.Tensor:
+    """Natural [T, D] fake-quantized activation -> the decode GEMV's layout: fp32 [T, 4, D/4], entry (q, 2j + l) =
+    2^6·x[8j + 2q + l] (exact)."""
+    t, d = xq.shape
+    return (xq.float() * 64.0).view(t, d // 8, 4, 2).permute(0, 2, 1, 3).reshape(t, 4, d // 4).contiguous()
+
+
+def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+           gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16"
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [T, D] BF16, gate_w [E, D] BF16, bias [E] fp32 -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
+    1×32 fake-quantized activation the expert GEMMs read, BF16 [T, D] (xq_layout "bf16"), or in the decode GEMV's
+    layout fp32 [T, 4, D/4] ("gemv", see `gemv_act`), or None."""
+    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, (tuple(x.shape), x.dtype)
+    assert gate_w.dtype == torch.bfloat16 and gate_w.is_contiguous() and gate_w.shape[1] == x.shape[1]
+    assert xq_layout in (None, "bf16", "gemv"), xq_layout
+    t, d = x.shape
+    e = gate_w.shape[0]
+    assert bias.shape == (e,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    assert d % QBLOCK == 0 and 1 <= topk <= e
+    dev = x.device
+    logits = torch.empty((t, e), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, topk), dtype=torch.int32, device=dev)
+    w = torch.empty((t, topk), dtype=torch.float32, device=dev)
+    xq = None
+    if xq_layout == "bf16":
+        xq = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
+    elif xq_layout == "gemv":
+        xq = torch.empty((t, 4, d // 4), dtype=torch.float32, device=dev)
+    if t == 0:
+        return w, ids, xq
+    bt = 16 if t <= 16 else 64
+    be = 16 if t <= 16 else 64
+    bk = _div(d, 256 if t <= 16 else 64, 32)
+    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
+        x, gate_w, logits, xq if xq is not None else x, t, e, d, x.stride(0), gate_w.stride(0), e,
+        d, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3, WRITE_XQ=xq is not None,
+        XQ_PERM=xq_layout == "gemv", num_warps=4)
+    nb = triton.next_power_of_2(e)
+    btk = max(1, min(16, 2048 // nb))
+    _router_topk_kernel[(triton.cdiv(t, btk),)](
+        logits, bias, ids, w, t, e, e, float(gate_temp), float(route_scale), float(eps),
+        TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), NB_E=nb, BLOCK_T=btk, num_warps=4)
+    return w, ids, xq
+
+
+def max_blocks(pairs: int, n_experts: int, block_m: int) -> int:
+    """Worst-case number of BLOCK_M-padded expert blocks for `pairs` (token, slot) pairs (shape-only: no sync)."""
+    return triton.cdiv(pairs, block_m) + min(n_experts, pairs)
+
+
+def moe_align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids int32 [T, k] -> (sorted pair ids int32 [max_blocks·BM] (sentinel T·k), offsets int32 [E + 1])."""
+    assert ids.dtype == torch.int32 and ids.is_contiguous()
+    p = ids.numel()
+    nb = triton.next_power_of_2(n_experts + 1)
+    slots = max_blocks(p, n_experts, block_m) * block_m
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=ids.device)
+    off = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
+    cnt = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    _moe_align_kernel[(1,)](ids, sorted_ids, off, cnt, p, n_experts, slots, BLOCK_M=block_m, NB_E=nb,
+                            BLOCK=1024, num_warps=8)
+    return sorted_ids, off
+
+
+def stack_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """[E, I, ...] w1 and w3 (packed codes or scales) -> the stacked [E, 2I, ...] the kernels read (w1 rows first)."""
+    return torch.cat([w1, w3], dim=1).contiguous()
+
+
+def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
+    assert q.shape == (e, n, k // 2) and q.dtype in (torch.int8, torch.uint8) and q.is_contiguous(), \
+        f"{name}: packed weight must be int8 [E={e}, N={n}, K/2={k // 2}] contiguous, got {tuple(q.shape)} {q.dtype}"
+    assert s.shape == (e, n, k // QBLOCK) and s.element_size() == 1 and s.is_contiguous(), \
+        f"{name}: scales must be e8m0 [E, N, K/32] contiguous, got {tuple(s.shape)} {s.dtype}"
+
+
+def gemv_w13(xp: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
+             inter: int, swiglu_limit: float, cfg: MoeConfig) -> torch.Tensor:
+    """Decode path, first GEMM: h fp32 [T·k, I_pad] (pair-permuted ×2^6) for every (token, slot) pair."""
+    p, d = ids.numel(), xp.shape[1] * xp.shape[2]
+    ipad = w13_q.shape[1] // 2
+    assert cfg.gemv and ipad % 8 == 0 and cfg.bn13 % 32 == 0 and cfg.bk13 % 32 == 0, cfg
+    hp = torch.empty((p, ipad), dtype=torch.float32, device=xp.device)
+    even = ipad % cfg.bn13 == 0 and d % cfg.bk13 == 0
+    _moe_w13_gemv_kernel[(p, triton.cdiv(ipad, cfg.bn13))](
+        xp, w13_q.view(torch.int32), _u8(w13_s), hp, ids, weights, ipad, inter, d, ids.shape[1], float(swiglu_limit),
+        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps)
+    return hp
+
+
+def gemv_w2(hp: torch.Tensor, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
+            cfg: MoeConfig) -> torch.Tensor:
+    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds)."""
+    p, ipad = hp.shape
+    d = w2_q.shape[1]
+    assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
+    even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
+    _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2))](
+        hp, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
+        BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps2)
+    return out
+
+
+def moe_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
+                swiglu_limit: float, inter: int | None = None, shared: torch.Tensor | None = None,
+                config: MoeConfig | None = None) -> torch.Tensor:
+    """Routed MXFP4 experts + the shared expert's output -> fp32 [T, D] (before the TP all-reduce).
+
+    xq: the fake-quantized activation from `router`, BF16 [T, D] or the GEMV layout fp32 [T, 4, D/4] (converted when
+    the chosen path needs the other one); weights fp32 / ids int32 [T, k]; w13_q int8 [E, 2·I_pad, D/2] (w1 rows, then
+    w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8 [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain
+    MXFP4: low nibble = even k); inter = the logical intermediate width (<= I_pad: padded columns contribute
+    nothing); shared: [T, D] any float dtype, or None. No host sync; the work buffers are the only allocations."""
+    if xq.dim() == 3:
+        t, d = xq.shape[0], xq.shape[1] * xq.shape[2]
+        assert xq.dtype == torch.float32 and xq.shape[1] == 4 and xq.is_contiguous(), (tuple(xq.shape), xq.dtype)
+    else:
+        assert xq.dim() == 2 and xq.dtype == torch.bfloat16 and xq.stride(1) == 1, (tuple(xq.shape), xq.dtype)
+        t, d = xq.shape
+    e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
+    inter = ipad if inter is None else inter
+    assert 0 < inter <= ipad and ipad % QBLOCK == 0 and d % QBLOCK == 0, (inter, ipad, d)
+    _check_mx(w13_q, w13_s, e, 2 * ipad, d, "w13")
+    _check_mx(w2_q, w2_s, e, d, ipad, "w2")
+    assert ids.shape == weights.shape and ids.shape[0] == t and ids.dtype == torch.int32 and ids.is_contiguous()
+    assert weights.dtype == torch.float32 and weights.is_contiguous()
+    topk = ids.shape[1]
+    cfg = config or default_moe_config(t, topk, e, ipad, d)
+    dev = xq.device
+    if shared is not None:
+        assert shared.shape == (t, d), (tuple(shared.shape), t, d)
+        out = shared.to(torch.float32, copy=True).contiguous()
+    else:
+        out = torch.zeros((t, d), dtype=torch.float32, device=dev)
+    if t == 0:
+        return out
+    p = t * topk
+    if cfg.gemv:
+        if xq.dim() == 2:
+            xq = gemv_act(xq)
+        hp = gemv_w13(xq, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg)
+        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
+    assert d % cfg.bk13 == 0 and ipad % cfg.bk2 == 0 and cfg.bn13 % 32 == 0, (cfg, d, ipad)
+    if xq.dim() == 3:
+        xq = (xq / 64.0).view(t, 4, d // 8, 2).permute(0, 2, 1, 3).reshape(t, d).to(torch.bfloat16)
+    sorted_ids, off = moe_align(ids, e, cfg.block_m)
+    nblk = sorted_ids.numel() // cfg.block_m
+    nb = triton.next_power_of_2(e + 1)
+    h = torch.empty((sorted_ids.numel(), ipad), dtype=torch.bfloat16, device=dev)
+    _moe_w13_kernel[(nblk, triton.cdiv(ipad, cfg.bn13))](
+        xq, _u8(w13_q), _u8(w13_s), h, sorted_ids, off, weights,
+        ipad, inter, d, e, p, topk,
+        xq.stride(0), 2 * ipad * d // 2, d // 2, 2 * ipad * d // QBLOCK, d // QBLOCK, ipad,
+        float(swiglu_limit),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NB_E=nb, NUM_STAGES=cfg.stages,
+        num_warps=cfg.warps)
+    _moe_w2_kernel[(nblk, triton.cdiv(d, cfg.bn2))](
+        h, _u8(w2_q), _u8(w2_s), out, sorted_ids, off,
+        d, ipad, e, p, topk,
+        ipad, d * ipad // 2, ipad // 2, d * ipad // QBLOCK, ipad // QBLOCK, d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NB_E=nb, NUM_STAGES=cfg.stages,
+        num_warps=cfg.warps2)
+    return out
+
+
+def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
+        w13_q, w13_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
+        shared: torch.Tensor | None = None, gate_temp: float = 1.0, config: MoeConfig | None = None
+        ) -> torch.Tensor:
+    """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked)."""
+    e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
+    cfg = config or default_moe_config(x.shape[0], topk, e, ipad, x.shape[1])
+    w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout="gemv" if cfg.gemv else "bf16")
+    return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg)

@@ -1,0 +1,166 @@
+"""WO-A grouped output projection at small batch, with the inverse RoPE fused in front (V4.1 §2.4 step 6, §2.9).
+
+z[t, g·R + r] = Σ_i W_a[g·R + r, i] · õ[t, g, i], õ = o with the last RD channels of every head rotated back
+(interleaved pairs, angle −θ_t; rounded to o's dtype as the reference does), o viewed as [T, G, (H/G)·d].
+Swap-AB tiles: W_a rows (BLOCK_P of one group) on the MMA's M side, by TMA straight into shared memory; the
+≤ BLOCK_Q tokens on the N side, loaded, rotated and rounded in registers. Split-K partials go to an fp32 workspace
+and the last program of a tile to arrive (an acq_rel counter, reset by that program, so no memset per call) sums
+them in a fixed order and writes BF16: one launch, deterministic. Imports Triton: load this module lazily.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dsflash.plugins.refs import inverse_rope_ref, rope_cos_sin_ref, wo_a_ref  # noqa: F401  (re-exported)
+
+NUM_SMS = 132
+
+
+@triton.jit
+def _wo_a_kernel(w_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, ws_ptr, cnt_ptr,
+                 T, R, KG, HEAD_D, RD, SPLIT,
+                 stride_ot, stride_ct, stride_zt, SLAB,
+                 BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_q = tl.cdiv(T, BLOCK_Q)
+    pid_p = pid // num_q
+    pid_q = pid % num_q
+    row0 = pid_p * BLOCK_P
+    g = row0 // R                                          # BLOCK_P divides R: a tile lies in one group
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    mq = offs_q < T
+    tq = offs_q.to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    n_it = KG // BLOCK_K
+    per = tl.cdiv(n_it, SPLIT)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    for it in tl.range(it0, it1, num_stages=NUM_STAGES):
+        k0 = it * BLOCK_K
+        w = w_desc.load([row0, k0])                                                  # [BP, BK] bf16
+        # inverse RoPE as x[k]·cos + x[k^1]·(±sin): pair (a, b) -> (a·cos + b·sin, b·cos − a·sin)
+        ch = (g * KG + k0 + kk) % HEAD_D
+        pj = (ch - (HEAD_D - RD)) // 2
+        rope = ch >= HEAD_D - RD
+        base = o_ptr + tq[None, :] * stride_ot + g * KG + k0
+        x = tl.load(base + kk[:, None], mask=mq[None, :], other=0.0).to(tl.float32)         # [BK, BQ]
+        xs = tl.load(base + (kk ^ 1)[:, None], mask=mq[None, :], other=0.0).to(tl.float32)  # pair-swapped
+        cm = rope[:, None] & mq[None, :]
+        cs = tl.load(cos_ptr + tq[None, :] * stride_ct + pj[:, None], mask=cm, other=1.0)
+        sn = tl.load(sin_ptr + tq[None, :] * stride_ct + pj[:, None], mask=cm, other=0.0)
+        sn = tl.where((kk % 2 == 0)[:, None], sn, -sn)
+        xr = (x * cs + xs * sn).to(o_ptr.dtype.element_ty)
+        acc = tl.dot(w, xr, acc)
+    offs_p = row0 + tl.arange(0, BLOCK_P)
+    z_off = tq[None, :] * stride_zt + offs_p[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptr + z_off, acc.to(out_ptr.dtype.element_ty), mask=mq[None, :])
+    else:
+        tl.store(ws_ptr + pid_k * SLAB + z_off, acc, mask=mq[None, :])
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:   # the last split of this tile: sum the partials in split order
+            tot = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(ws_ptr + s * SLAB + z_off, mask=mq[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + z_off, tot.to(out_ptr.dtype.element_ty), mask=mq[None, :])
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class WoAConfig:
+    block_p: int = 128
+    block_q: int = 16
+    block_k: int = 128
+    split_k: int = 1
+    num_stages: int = 4
+    num_warps: int = 4
+
+    def tag(self) -> str:
+        return f"P{self.block_p}Q{self.block_q}K{self.block_k}s{self.split_k}st{self.num_stages}w{self.num_warps}"
+
+
+def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: int = 16) -> int:
+    if tiles >= target // 2:
+        return 1
+    return max(1, min(-(-target // tiles), max(1, k_iters // 2), max_split))
+
+
+def default_config(t: int, rows: int, kg: int) -> WoAConfig:
+    """Decode (T <= 16): 128 weight rows × 16 tokens per tile, 128 K per TMA box, 4 stages, split-K up to ~2 programs
+    per SM. Larger T: 64-token tiles with 64 K per box (the pipelined activation, its pair swap and cos/sin then fit
+    3 stages in shared memory)."""
+    if t <= 16:
+        bq, bk, st = 16, (128 if kg % 128 == 0 else 64), 4
+    else:
+        bq, bk, st = 64, 64, 3
+    tiles = (rows // 128) * -(-t // bq)
+    return WoAConfig(128, bq, bk, _split_for(tiles, kg // bk), st, 4)
+
+
+def candidates(t: int, rows: int, kg: int) -> list[WoAConfig]:
+    d = default_config(t, rows, kg)
+    out = [d]
+    if t <= 16:
+        for bp, bk, st in ((64, 128, 4), (128, 64, 6)):
+            if kg % bk == 0:
+                tiles = (rows // bp) * -(-t // d.block_q)
+                out.append(WoAConfig(bp, d.block_q, bk, _split_for(tiles, kg // bk), st, 4))
+    return list(dict.fromkeys(out))
+
+
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device tile counters, zero between calls (the last program of each tile resets its own)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    c = _counters.get(idx)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _counters[idx] = c
+    return c
+
+
+def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
+         config: WoAConfig | None = None) -> torch.Tensor:
+    """o [T, H, d] BF16 (attention output, query-rotated), cos/sin [T, RD/2] fp32 (`rope_cos_sin_ref`), w = W_a
+    [G·R, (H/G)·d] BF16 contiguous -> z [T, G·R] BF16 (`wo_a_ref`). Calls on one stream at a time (the split-K
+    counters are shared per device)."""
+    assert o.dim() == 3 and o.dtype == torch.bfloat16 and o.is_contiguous(), (tuple(o.shape), o.dtype)
+    assert w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_contiguous(), (tuple(w.shape), w.dtype)
+    t, h, d = o.shape
+    rows, kg = w.shape
+    assert (h * d) % kg == 0, f"W_a in-features {kg} must divide H·d = {h * d}"
+    g = h * d // kg
+    assert rows % g == 0, (rows, g)
+    r = rows // g
+    assert cos.shape == sin.shape and cos.shape[0] == t and cos.dtype == sin.dtype == torch.float32
+    assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+    rd = 2 * cos.shape[1]
+    assert 0 < rd <= d and rd % 2 == 0
+    cfg = config or default_config(t, rows, kg)
+    assert r % cfg.block_p == 0 and kg % cfg.block_k == 0, (cfg, r, kg)
+    out = torch.empty((t, rows), dtype=torch.bfloat16, device=o.device)
+    if t == 0:
+        return out
+    num_q = triton.cdiv(t, cfg.block_q)
+    tiles = (rows // cfg.block_p) * num_q
+    split = max(1, min(cfg.split_k, kg // cfg.block_k))
+    ws = torch.empty((split, t, rows), dtype=torch.float32, device=o.device) if split > 1 else out
+    cnt = _counter(o.device, tiles) if split > 1 else out
+    w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [cfg.block_p, cfg.block_k])
+    _wo_a_kernel[(tiles, split)](
+        w_desc, o, cos, sin, out, ws, cnt,
+        t, r, kg, d, rd, split,
+        h * d, cos.stride(0), rows, t * rows,
+        BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps)
+    return out
