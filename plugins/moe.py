@@ -24,6 +24,7 @@ block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +57,14 @@ def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 # -- 1. router logits (+ the deploy activation) -----------------------------------------------------------------------
 @triton.jit
 def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, stride_w, stride_l, stride_xq,
+                          SPLIT, SPLIT_STRIDE,
                           BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_PERM: tl.constexpr):
+    """Partial logits of K slice pid_k -> logits[pid_k] (the top-k kernel sums the slices in order: deterministic).
+    The programs of the first expert tile also write xq for their K slice."""
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
@@ -67,8 +72,11 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, 
     mt = offs_t < T
     w_ptrs = wg_ptr + offs_e.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
     x_ptrs = x_ptr + offs_t.to(tl.int64)[None, :] * stride_x + offs_k[:, None]
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K)
     acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs + k0, mask=me[:, None], other=0.0)
         xt = tl.load(x_ptrs + k0, mask=mt[None, :], other=0.0)            # [BLOCK_K, BLOCK_T] bf16
         acc = tl.dot(w, xt, acc)
@@ -81,22 +89,25 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, 
                 else:
                     tl.store(xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq + (k0 + offs_k)[:, None],
                              xq.to(xq_ptr.dtype.element_ty), mask=mt[None, :])
-    tl.store(logits_ptr + offs_t.to(tl.int64)[None, :] * stride_l + offs_e[:, None], acc,
+    tl.store(logits_ptr + pid_k * SPLIT_STRIDE + offs_t.to(tl.int64)[None, :] * stride_l + offs_e[:, None], acc,
              mask=me[:, None] & mt[None, :])
 
 
 # -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, gate_temp, route_scale, eps,
-                        TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, NB_E: tl.constexpr,
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, SPLIT, SPLIT_STRIDE,
+                        gate_temp, route_scale, eps, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                        NB_E: tl.constexpr,
                         BLOCK_T: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, NB_E)
     kcol = tl.arange(0, KP)
     mt = offs_t < T
     mc = cols < E
-    z = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=mt[:, None] & mc[None, :],
-                other=0.0)
+    lp = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :]
+    z = tl.load(lp, mask=mt[:, None] & mc[None, :], other=0.0)
+    for sk in range(1, SPLIT):      # K-slice partials, summed in slice order
+        z += tl.load(lp + sk * SPLIT_STRIDE, mask=mt[:, None] & mc[None, :], other=0.0)
     z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
     sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
     s = tl.math.sqrt_rn(sp)
@@ -158,7 +169,7 @@ def _block_expert(off_ptr, E, start, NB_E: tl.constexpr):
     return tl.sum((off <= start).to(tl.int32), axis=0) - 1
 
 
-# -- 4. w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 fake quant -------------------------------------------------
+# -- 4. w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 fake quant ----------------------------------------------
 @triton.jit
 def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_ptr,
                     N, N_VALID, K, E, P, TOPK,
@@ -345,14 +356,17 @@ def _pair_perm(n, N):
 
 
 @triton.jit
-def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr,
-                         N, N_VALID, K, TOPK, limit,
+def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
+                         N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
-    the stacked w13 [E, 2N, K/2]): g, u over K, then the w13 epilogue; h is written in the pair-permuted fp32
-    layout the w2 GEMV reads."""
+    the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
+    pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
+    and the last program of the tile to arrive (acq_rel counter, reset by it) sums them in slice order and runs
+    the epilogue."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
@@ -366,12 +380,34 @@ def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr,
     w_e = w13_ptr + e * 2 * N * K8
     s_e = s13_ptr + e * 2 * N * (K // 32)
     xrow = xp_ptr + t.to(tl.int64) * (K // 2) + ow           # int64 view of the pair-permuted fp32 row
+    per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K8)
     acc = tl.zeros([2 * BLOCK_N, BW], dtype=tl.float32)
-    for k8 in tl.range(0, K8, BW, num_stages=NUM_STAGES):
+    for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
         mw = k8 + ow < K8
         xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
         acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
     gu = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        _w13_epilogue(gu, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N)
+    else:
+        tile = p * tl.num_programs(1) + pid_n
+        wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N + r
+        tl.store(wsp + pid_k * 2 * BLOCK_N, gu)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            tot = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
+            for sk in range(0, SPLIT):
+                tot += tl.load(wsp + sk * 2 * BLOCK_N, cache_modifier=".cg")
+            _w13_epilogue(tot, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _w13_epilogue(gu, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N: tl.constexpr):
+    """g|u [2·BN] -> clipped SwiGLU × routing weight -> BF16 -> FP8 1×32 fake quant -> h (pair-permuted, ×2^6)."""
     g, u = tl.split(tl.trans(tl.reshape(gu, (2, BLOCK_N))))
     if limit > 0:
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -385,11 +421,13 @@ def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr,
 
 
 @triton.jit
-def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o,
+def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
-    """Pair p, output features [pid_n·BN, +BN): y = h_p·W2[e]ᵀ, atomically added (fp32) into out[t]."""
+    """Pair p, output features [pid_n·BN, +BN), K slice pid_k of SPLIT: y = h_p·W2[e]ᵀ, atomically added (fp32)
+    into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum)."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
@@ -402,8 +440,11 @@ def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, st
     w2_e = w2_ptr + e * N * K8
     s2_e = s2_ptr + e * N * (K // 32)
     hrow = hp_ptr + p.to(tl.int64) * (K // 2) + ow
+    per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K8)
     acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-    for k8 in tl.range(0, K8, BW, num_stages=NUM_STAGES):
+    for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
         mw = k8 + ow < K8
         xa, xb, xc, xd = _mx_load_x(hrow + k8, K8, mw, EVEN)
         acc = _mx_gemv_step(acc, w2_e + wrow + k8, s2_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
@@ -426,19 +467,32 @@ class MoeConfig:
     stages: int = 4
     block_m: int = 16
     warps2: int = 4         # w2 kernel
+    split13: int = 1        # GEMV K slices (w13: reduced by the tile's last program; w2: atomic adds)
+    split2: int = 1
 
     def tag(self) -> str:
         kind = "gemv" if self.gemv else f"mma_m{self.block_m}"
-        return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}_2n{self.bn2}k{self.bk2}w{self.warps2}"
-                f"_s{self.stages}")
+        return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}")
 
 
-def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int) -> MoeConfig:
+def _gemv_split(tiles: int, k_iters: int, target: int = 4 * 132, max_split: int = 8) -> int:
+    """K slices so that about `target` programs run (the GEMV is issue-latency bound at ~7 warps per SM: first
+    H200 run), keeping >= 2 K steps per slice."""
+    if tiles >= target:
+        return 1
+    return max(1, min(-(-target // tiles), k_iters // 2, max_split))
+
+
+def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, pairs: int = 0, inter: int = 0,
+              dim: int = 0, split: bool = True) -> MoeConfig:
     """GEMV warps sized so each thread holds 16 weight words (128 codes) per step: the activations it loads are
     then reused over 4 rows (measured by SASS instruction counts: 4.6-4.7 instructions per weight element; 8
-    rows-words per thread or fewer cost 6-8)."""
+    rows-words per thread or fewer cost 6-8). Split-K from the pair count when `split`."""
+    s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13) if split and pairs else 1
+    s2 = _gemv_split(pairs * -(-dim // bn2), inter // bk2) if split and pairs else 1
     return MoeConfig(True, bn13, bk13, bn2, bk2, max(1, 2 * bn13 * (bk13 // 8) // 512), stages, 16,
-                     max(1, bn2 * (bk2 // 8) // 512))
+                     max(1, bn2 * (bk2 // 8) // 512), s13, s2)
 
 
 def _div(n: int, want: int, floor: int) -> int:
@@ -455,7 +509,7 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) 
     BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48 tokens)."""
     if t * topk <= 2 * n_experts:
         return _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
-                         _div(inter, 128, 32), 4)
+                         _div(inter, 128, 32), 4, t * topk, inter, dim)
     avg = t * topk / max(1, n_experts)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
     if bm == 16:
@@ -468,8 +522,13 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
     d = default_moe_config(t, topk, n_experts, inter, dim)
     out = [d]
     if d.gemv:
-        out += [_gemv_cfg(_div(inter, 128, 32), _div(dim, 128, 32), _div(dim, 256, 32), _div(inter, 128, 32), 4),
-                _gemv_cfg(_div(inter, 64, 32), _div(dim, 256, 32), _div(dim, 128, 32), _div(inter, 256, 32), 3)]
+        p = t * topk
+        out += [dataclasses.replace(d, split13=1, split2=1),                  # no split-K (first run's default)
+                dataclasses.replace(d, stages=2),
+                _gemv_cfg(_div(inter, 32, 32), _div(dim, 128, 32), _div(dim, 64, 32), _div(inter, 128, 32), 4,
+                          p, inter, dim),
+                _gemv_cfg(_div(inter, 64, 32), _div(dim, 256, 32), _div(dim, 128, 32), _div(inter, 256, 32), 3,
+                          p, inter, dim)]
     return list(dict.fromkeys(out))
 
 
@@ -499,7 +558,6 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     assert bias.shape == (e,) and bias.dtype == torch.float32 and bias.is_contiguous()
     assert d % QBLOCK == 0 and 1 <= topk <= e
     dev = x.device
-    logits = torch.empty((t, e), dtype=torch.float32, device=dev)
     ids = torch.empty((t, topk), dtype=torch.int32, device=dev)
     w = torch.empty((t, topk), dtype=torch.float32, device=dev)
     xq = None
@@ -510,16 +568,19 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     if t == 0:
         return w, ids, xq
     bt = 16 if t <= 16 else 64
-    be = 16 if t <= 16 else 64
-    bk = _div(d, 256 if t <= 16 else 64, 32)
-    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
+    be = 16 if t <= 16 else 32
+    bk = _div(d, 128 if t <= 16 else 64, 32)
+    tiles = triton.cdiv(e, be) * triton.cdiv(t, bt)
+    split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))    # ~2 programs per SM (first run: 6-24 ran)
+    logits = torch.empty((split, t, e), dtype=torch.float32, device=dev)
+    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt), split)](
         x, gate_w, logits, xq if xq is not None else x, t, e, d, x.stride(0), gate_w.stride(0), e,
-        d, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3, WRITE_XQ=xq is not None,
+        d, split, t * e, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3, WRITE_XQ=xq is not None,
         XQ_PERM=xq_layout == "gemv", num_warps=4)
     nb = triton.next_power_of_2(e)
     btk = max(1, min(16, 2048 // nb))
     _router_topk_kernel[(triton.cdiv(t, btk),)](
-        logits, bias, ids, w, t, e, e, float(gate_temp), float(route_scale), float(eps),
+        logits, bias, ids, w, t, e, e, split, t * e, float(gate_temp), float(route_scale), float(eps),
         TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), NB_E=nb, BLOCK_T=btk, num_warps=4)
     return w, ids, xq
 
@@ -555,6 +616,20 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
         f"{name}: scales must be e8m0 [E, N, K/32] contiguous, got {tuple(s.shape)} {s.dtype}"
 
 
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device split-K tile counters, zero between calls (the last program of each tile resets its own); grown
+    (one allocation) when a larger grid first needs more. Calls on one stream at a time."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    c = _counters.get(idx)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _counters[idx] = c
+    return c
+
+
 def gemv_w13(xp: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
              inter: int, swiglu_limit: float, cfg: MoeConfig) -> torch.Tensor:
     """Decode path, first GEMM: h fp32 [T·k, I_pad] (pair-permuted ×2^6) for every (token, slot) pair."""
@@ -563,8 +638,13 @@ def gemv_w13(xp: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_q: 
     assert cfg.gemv and ipad % 8 == 0 and cfg.bn13 % 32 == 0 and cfg.bk13 % 32 == 0, cfg
     hp = torch.empty((p, ipad), dtype=torch.float32, device=xp.device)
     even = ipad % cfg.bn13 == 0 and d % cfg.bk13 == 0
-    _moe_w13_gemv_kernel[(p, triton.cdiv(ipad, cfg.bn13))](
-        xp, w13_q.view(torch.int32), _u8(w13_s), hp, ids, weights, ipad, inter, d, ids.shape[1], float(swiglu_limit),
+    n_tiles = triton.cdiv(ipad, cfg.bn13)
+    split = max(1, min(cfg.split13, d // cfg.bk13))
+    ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=xp.device) if split > 1 else hp
+    cnt = _counter(xp.device, p * n_tiles) if split > 1 else ids
+    _moe_w13_gemv_kernel[(p, n_tiles, split)](
+        xp.view(torch.int64), w13_q.view(torch.int32), _u8(w13_s), hp, ids, weights, ws, cnt,
+        ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
         BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps)
     return hp
 
@@ -576,9 +656,10 @@ def gemv_w2(hp: torch.Tensor, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
-    _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2))](
-        hp, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
-        BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps2)
+    split = max(1, min(cfg.split2, ipad // cfg.bk2))
+    _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
+        hp.view(torch.int64), w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
+        SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps2)
     return out
 
 

@@ -108,8 +108,8 @@ def default_config(t: int, rows: int, kg: int) -> WoAConfig:
 def candidates(t: int, rows: int, kg: int) -> list[WoAConfig]:
     d = default_config(t, rows, kg)
     out = [d]
-    if t <= 16:
-        for bp, bk, st in ((64, 128, 4), (128, 64, 6)):
+    if t <= 16:   # the default holds ~196 KB of shared memory (1 program per SM); these fit 2 per SM
+        for bp, bk, st in ((64, 128, 4), (128, 64, 6), (128, 64, 4), (64, 128, 3)):
             if kg % bk == 0:
                 tiles = (rows // bp) * -(-t // d.block_q)
                 out.append(WoAConfig(bp, d.block_q, bk, _split_for(tiles, kg // bk), st, 4))

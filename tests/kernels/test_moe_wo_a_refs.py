@@ -69,6 +69,7 @@ def _moe_module(d: int, inter: int, e: int, k: int):
     return m, (w1q, w1s, w3q, w3s, w2q, w2s), sh
 
 
+@torch.no_grad()
 def test_moe_ref_equals_model_moe(seed):
     t, d, inter, e, k = 9, 64, 96, 8, 3
     m, (w1q, w1s, w3q, w3s, w2q, w2s), sh = _moe_module(d, inter, e, k)
@@ -112,6 +113,7 @@ def test_moe_ref_padding_contributes_nothing(seed):
     assert torch.equal(got, ref)
 
 
+@torch.no_grad()
 def test_inverse_rope_and_wo_a_ref_equal_model(seed):
     t, h, d, g, r, rd = 3, 8, 64, 2, 16, 16
     inv = layers.rope_inv_freq(rd, 10000.0)
@@ -155,7 +157,8 @@ def test_moe_and_wo_a_registry_cpu_ops(seed):
     with FakeTensorMode():
         fy = ops.moe(torch.empty(5, d, dtype=torch.bfloat16), torch.empty(e, d, dtype=torch.bfloat16), torch.empty(e),
                      k, 1.5, torch.empty(e, 2 * inter, d // 2, dtype=torch.int8),
-                     torch.empty(e, 2 * inter, d // 32, dtype=refs.E8M0), torch.empty(e, d, inter // 2, dtype=torch.int8),
+                     torch.empty(e, 2 * inter, d // 32, dtype=refs.E8M0),
+                     torch.empty(e, d, inter // 2, dtype=torch.int8),
                      torch.empty(e, d, inter // 32, dtype=refs.E8M0), 10.0, inter)
         assert fy.shape == (5, d) and fy.dtype == torch.float32
         fz = ops.wo_a(torch.empty(5, 8, 512, dtype=torch.bfloat16), torch.empty(5, 32), torch.empty(5, 32),
