@@ -21,6 +21,11 @@ class ClientGone(Exception):
 
 async def read_json(request: Request, limit: int) -> dict:
     """The body as one JSON object; 413 past `limit` bytes (checked on Content-Length and while reading)."""
+    return check_json_object(await read_body(request, limit), limit)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body; 413 past `limit` bytes (checked on Content-Length and while reading)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is {length} bytes; the limit is {limit} (--max-body-bytes)")
@@ -30,7 +35,7 @@ async def read_json(request: Request, limit: int) -> dict:
         if size > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)")
         chunks.append(chunk)
-    return check_json_object(b"".join(chunks), limit)
+    return b"".join(chunks)
 
 
 def openai_error(e: APIError) -> JSONResponse:

@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse, Response
 
 from dsflash.serve.api import tensors
 from dsflash.serve.api.core import Frontend, Stream, field
-from dsflash.serve.api.httputil import ClientGone, EventStream, kserve_error, read_json, sse, until_disconnect
+from dsflash.serve.api.httputil import (ClientGone, EventStream, kserve_error, read_body, read_json, sse,
+                                        until_disconnect)
 from dsflash.serve.api.security import APIError, check_json_object
 
 TRTLLM_NAMES = ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")
@@ -173,24 +174,11 @@ async def model_config(fe: Frontend, request: Request) -> Response:
         "parameters": {"max_seq_len": {"string_value": str(fe.max_seq_len)}}})
 
 
-async def _read_raw(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"request body is {length} bytes; the limit is {limit} (--max-body-bytes)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def infer(fe: Frontend, request: Request) -> Response:
     try:
         name = request.path_params["model"]
         check_model_name(fe, name, request.path_params.get("version"))
-        body = await _read_raw(request, fe.limits.max_body_bytes)
+        body = await read_body(request, fe.limits.max_body_bytes)
         head, inputs = parse_infer_body(body, request.headers.get("inference-header-content-length"),
                                         fe.limits.max_body_bytes)
         rid = head.get("id") if isinstance(head.get("id"), str) else None
