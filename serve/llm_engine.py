@@ -7,6 +7,13 @@ sends each step's plan to the workers); ranks > 0 run `worker_loop(engine_dir)`.
 
 Thread safety: `add_request`, `abort` and `stats` may be called from any thread while another thread runs `step`
 (the model runs outside the lock; a request aborted meanwhile is dropped when the step completes).
+
+Speculative serving (`speculative=SpecConfig(...)`, single-rank engines): a running request's decode step is one
+draft + verify + accept + rollback iteration of its own batch-1 `SpeculativeDecoder` (runtime/model_runner.py); the
+scheduler counts draft + 1 tokens for it, its Output may carry several tokens (cut at a stop token / stop string /
+max_tokens exactly where one-token decoding would stop) and its pages shrink back to the committed tokens. Greedy
+output is the non-speculative output; sampling is rejection sampling (lossless). Outputs carry the request's
+acceptance (`Output.spec`); `stats()["spec_decode"]` holds the engine totals for /metrics.
 """
 from __future__ import annotations
 
@@ -17,11 +24,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from dsflash.serve.runtime.block_manager import BlockManager, cache_layout, kv_cache_capacity
-from dsflash.serve.runtime.model_runner import ModelRunner
+from dsflash.serve.runtime.model_runner import ModelRunner, SpecStep
 from dsflash.serve.runtime.sampling import SamplingParams, sample, token_logprobs
 from dsflash.serve.runtime.scheduler import QueueFullError, Scheduler
 from dsflash.serve.runtime.sequence import Output, Request, Sequence, Status
 from dsflash.serve.runtime.worker import ControlPlane, abort_job, connect, worker_loop
+from dsflash.serve.speculative import SpecStats
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "LLMEngine", "Output", "QueueFullError", "Request", "SamplingParams",
            "worker_loop"]
@@ -34,18 +42,30 @@ class EngineDeadError(RuntimeError):
 
 class LLMEngine:
     """Rank 0's engine over an engine dir. Limits default to the engine's build_config (overrides may only lower
-    them); the KV-cache pool is `kv_cache_bytes`, else `kv_cache_free_gpu_memory_fraction` of free device memory."""
+    them); the KV-cache pool is `kv_cache_bytes`, else `kv_cache_free_gpu_memory_fraction` of free device memory.
+    `speculative`: a SpecConfig (single-rank engines); `wrap_drafter(drafter, seq) -> drafter` lets tests substitute
+    a request's draft proposals."""
 
     def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
                  kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, max_seq_len: int | None = None, block_size: int = 64,
-                 model=None):
+                 model=None, speculative=None, wrap_drafter=None):
+        if speculative is not None:
+            from dsflash.build.engine import open_engine
+            n = open_engine(engine_dir).world_size
+            if n != 1:
+                raise ValueError(f"{engine_dir}: speculative decoding (--speculative-algorithm) runs on single-rank "
+                                 f"engines only; this engine has {n} ranks")
         rank, self.world, mpi, comm = connect(engine_dir)
         if rank != 0:
             raise RuntimeError(f"LLMEngine runs on rank 0; rank {rank} must run worker_loop(engine_dir)")
         self._control = ControlPlane(mpi) if self.world > 1 else None
         try:
-            self.runner = ModelRunner(engine_dir, 0, comm, model=model, control=self._control)
+            if speculative is not None:
+                from dsflash.build.engine import open_engine
+                speculative.validate(open_engine(engine_dir).args)   # fail before loading the weights
+            self.runner = ModelRunner(engine_dir, 0, comm, model=model, control=self._control,
+                                      speculative=speculative, wrap_drafter=wrap_drafter)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction}
             capacity = self._control.agree_capacity(cfg, local) if self._control else local
@@ -61,7 +81,11 @@ class LLMEngine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.args = self.runner.args
         self.cache = BlockManager(cache_layout(self.args, block_size), capacity)
-        self.scheduler = Scheduler(self.cache, self.max_num_tokens, self.max_batch_size, max_queue)
+        self.speculative = speculative
+        self.spec_stats = SpecStats()     # every verify step of the engine (for /metrics)
+        self.scheduler = Scheduler(self.cache, self.max_num_tokens, self.max_batch_size, max_queue,
+                                   num_draft_tokens=speculative.num_draft_tokens if speculative else 0,
+                                   max_seq_len=self.max_seq_len)
         self.tokenizer = _tokenizer(engine_dir, self.args.bos_token_id)
         self.model_name = Path(engine_dir).resolve().name
         self._seqs: dict[str, Sequence] = {}
@@ -110,7 +134,8 @@ class LLMEngine:
             self._released.append(request_id)
             seq.finish_reason = "abort"
             self._aborted.append(Output(request_id, [], True, "abort", None, seq.num_prompt, seq.num_generated,
-                                        seq.text.take(final=True)))
+                                        seq.text.take(final=True),
+                                        seq.spec_report() if self.speculative is not None else None))
 
     def abort_all(self) -> None:
         with self._lock:
@@ -144,17 +169,31 @@ class LLMEngine:
                     outputs.append(self._emit(seq, lg))
         return outputs
 
-    def _emit(self, seq: Sequence, logits) -> Output:
+    def _emit(self, seq: Sequence, result) -> Output:
         p = seq.params
-        token = sample(logits, p, seq.generator)
-        lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None
+        if isinstance(result, SpecStep):                  # speculative decode: several tokens
+            tokens, rows = result.tokens, list(result.logits)
+            self.spec_stats.observe(result.accepted, result.drafted)
+        else:
+            tokens, rows = [sample(result, p, seq.generator)], [result]
+            if seq.spec is not None:
+                self.runner.finish_prefill(seq, tokens[0])
         if seq.num_generated == 0:
             self.prompt_tokens_total += seq.num_prompt
-        self.generation_tokens_total += 1
-        seq.append(token, p.max_tokens, self.max_seq_len)
+        new, lp = [], [] if p.logprobs is not None else None
+        for token, logits in zip(tokens, rows):            # stop exactly where one-token decoding would
+            new.append(token)
+            if lp is not None:
+                lp.append(token_logprobs(logits, token, p.logprobs))
+            seq.append(token, p.max_tokens, self.max_seq_len)
+            if seq.finish_reason is not None:
+                break
+        self.generation_tokens_total += len(new)
         done = seq.finish_reason is not None
-        out = Output(seq.request_id, [token], done, seq.finish_reason, lp, seq.num_prompt, seq.num_generated,
-                     seq.text.take(final=done))
+        out = Output(seq.request_id, new, done, seq.finish_reason, lp, seq.num_prompt, seq.num_generated,
+                     seq.text.take(final=done), seq.spec_report() if self.speculative is not None else None)
+        if not done and self.speculative is not None:
+            self.cache.trim(seq.request_id, seq.num_computed)   # pages of the rejected drafts go back
         if done:
             self.scheduler.remove(seq)
             self._seqs.pop(seq.request_id, None)
@@ -170,7 +209,16 @@ class LLMEngine:
                     "kv_cache_block_bytes": c.layout.bytes_per_block, "kv_cache_block_tokens": c.layout.block_size,
                     "num_preemptions": self.scheduler.num_preemptions,
                     "prompt_tokens_total": self.prompt_tokens_total,
-                    "generation_tokens_total": self.generation_tokens_total}
+                    "generation_tokens_total": self.generation_tokens_total,
+                    **({"spec_decode": self._spec_totals()} if self.speculative is not None else {})}
+
+    def _spec_totals(self) -> dict:
+        t = self.spec_stats
+        return {"algorithm": self.speculative.algorithm, "num_draft_tokens": self.speculative.num_draft_tokens,
+                "simulated": self.speculative.simulate_acceptance_length is not None,
+                "verify_steps": t.steps, "draft_tokens": t.drafted, "accepted_draft_tokens": t.accepted,
+                "acceptance_length": t.mean_al, "draft_acceptance_rate": t.dar,
+                "acceptance_length_histogram": t.histogram()}
 
     def shutdown(self) -> None:
         """Abort what is left, stop the workers (multi-rank) and refuse new requests. Idempotent."""

@@ -44,7 +44,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s = p.add_argument_group("speculative decoding (single-rank engines; greedy output unchanged, sampling lossless)")
+    s.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
+                   help="dspark: V4.1 DSpark drafter; mtp: V4 MTP block (chained for N > 1)")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="draft tokens verified per step (default: dspark_block_size for dspark, the number of "
+                        "MTP layers for mtp)")
+    s.add_argument("--speculative-confidence-threshold", type=float, default=0.0,
+                   help="dspark: end a block before the first draft whose confidence is below this (default 0)")
+    s.add_argument("--simulate-acceptance-length", type=float, default=None,
+                   help="benchmark aid: accept drafts so that the mean acceptance length is L (outputs are NOT the "
+                        "model's; responses say simulated_acceptance: true)")
     return p
+
+
+def speculative_config(a, args):
+    """The validated SpecConfig of the `--speculative-*` flags (None without --speculative-algorithm); ValueError
+    naming the flag when they do not fit the model `args`."""
+    if a.speculative_algorithm is None:
+        if (a.speculative_num_draft_tokens is not None or a.simulate_acceptance_length is not None
+                or a.speculative_confidence_threshold):
+            raise ValueError("--speculative-num-draft-tokens / --speculative-confidence-threshold / "
+                             "--simulate-acceptance-length need --speculative-algorithm")
+        return None
+    from dsflash.serve.spec_decode import SpecConfig
+    n = a.speculative_num_draft_tokens
+    if n is None:
+        n = getattr(args, "dspark_block_size", 1) if a.speculative_algorithm == "dspark" else max(args.n_draft, 1)
+    cfg = SpecConfig(a.speculative_algorithm, n, confidence_threshold=a.speculative_confidence_threshold,
+                     simulate_acceptance_length=a.simulate_acceptance_length)
+    cfg.validate(args)
+    return cfg
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -109,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"dsflash serve: {e}", file=sys.stderr)
         return 2
+    try:
+        spec = speculative_config(a, eng.args)
+        if spec is not None and eng.world_size != 1:
+            raise ValueError(f"speculative decoding (--speculative-algorithm) runs on single-rank engines only; "
+                             f"{a.engine} has {eng.world_size} ranks")
+    except ValueError as e:
+        print(f"dsflash serve: {e}", file=sys.stderr)
+        return 2
     if eng.world_size > 1 and not under_mpi():
         log.info("engine has %d ranks: relaunching under mpirun -n %d", eng.world_size, eng.world_size)
         rc = _relaunch(eng.world_size, argv, relaunch)
@@ -133,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             MPI.COMM_WORLD.Abort(2)
         return 2
     try:
-        server = Server(a, http_sock, api_key)
+        server = Server(a, http_sock, api_key, spec)
     except (ValueError, OSError, EngineError) as e:
         print(f"dsflash serve: {e}", file=sys.stderr)
         if under_mpi():
@@ -146,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 class Server:
     """Rank 0: the engine, the HTTP app on a pre-bound socket, the gRPC server, signals and shutdown."""
 
-    def __init__(self, a, http_sock: socket.socket, api_key: str | None):
+    def __init__(self, a, http_sock: socket.socket, api_key: str | None, speculative=None):
         from dsflash.serve.api.core import Frontend
         from dsflash.serve.api.kserve_http import TRTLLM_NAMES
         from dsflash.serve.api.security import DEFAULT_MAX_BODY_BYTES, Limits
@@ -157,7 +195,12 @@ class Server:
             raise ValueError(f"--kv-cache-free-gpu-memory-fraction must be in (0, 1], got {fraction}")
         core = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, kv_cache_free_gpu_memory_fraction=fraction,
                          max_queue=a.max_queue, max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
-                         max_seq_len=a.max_seq_len)
+                         max_seq_len=a.max_seq_len, speculative=speculative)
+        if speculative is not None:
+            sim = (f", SIMULATED acceptance length {speculative.simulate_acceptance_length}"
+                   if speculative.simulate_acceptance_length is not None else "")
+            log.info("speculative decoding: %s, %d draft tokens%s", speculative.algorithm,
+                     speculative.num_draft_tokens, sim)
         top = core.max_seq_len - 1
         limits = Limits(max_prompt_len=min(a.max_prompt_len or top, top), max_tokens_limit=a.max_tokens_limit or top,
                         max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY_BYTES)

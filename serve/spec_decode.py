@@ -194,6 +194,12 @@ class SpeculativeDecoder:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.stats = [SpecStats() for _ in range(batch_size)]
         self.bonus: torch.Tensor | None = None     # [B] last emitted token, not yet in the target cache
+        self.last_logits: torch.Tensor | None = None   # [B, n, V] target logits of the last step's emitted tokens
+
+    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target distribution p [B,S,V] that rejection sampling preserves (a server overrides it to apply a
+        request's top-k / top-p)."""
+        return target_probs_from_logits(logits, self.cfg.temperature)
 
     @property
     def simulated(self) -> bool:
@@ -233,8 +239,9 @@ class SpeculativeDecoder:
             acc, nxt = greedy_accept(drafts, logits, limit)
         else:
             probs = None if prop.probs is None else prop.probs[:, :kv]
-            acc, nxt = rejection_accept(drafts, probs, target_probs_from_logits(logits, cfg.temperature), gen, limit)
+            acc, nxt = rejection_accept(drafts, probs, self.target_probs(logits), gen, limit)
         a = int(acc.min())                         # lockstep: every row commits a drafts + one more token
+        self.last_logits = logits[:, :a + 1]
         if a < kv:
             nxt = torch.where(acc > a, drafts[:, a], nxt)   # rows that accepted past a keep their accepted draft
             self.state.restore(snap)

@@ -132,6 +132,7 @@ class Stream:
         self.t0 = time.monotonic()
         self.ttft: float | None = None
         self.done = False
+        self.spec: dict | None = None      # speculative engines: the request's acceptance (Output.spec)
 
     def __aiter__(self):
         return self
@@ -157,6 +158,8 @@ class Stream:
         self.text += out.text
         self.logprobs += out.logprobs or []
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        if getattr(out, "spec", None) is not None:
+            self.spec = out.spec
         if out.finished:
             self.done = True
             self.finish_reason = out.finish_reason

@@ -4,6 +4,13 @@ Names follow trtllm-serve's (`trtllm_` prefix; conventions.md §4.2) so existing
 request counts, queue length, running requests, KV-cache usage, TTFT / TPOT / end-to-end latency histograms and
 token counters. Gauges of the engine (running, waiting, cache blocks, token totals) are read from
 `AsyncLLMEngine.stats()` at scrape time; request-level series are recorded by the front doors.
+
+Speculative engines add (conventions.md §4.2 / §6): `trtllm_spec_decode_acceptance_length` (histogram of the
+tokens each verify step emitted, buckets 1 .. N+1), `trtllm_spec_decode_drafted_tokens_total`,
+`trtllm_spec_decode_accepted_tokens_total`, `trtllm_spec_decode_num_verify_steps_total` (counters) and the gauges
+`trtllm_spec_decode_mean_acceptance_length` (AL = emitted tokens / verify steps) and
+`trtllm_spec_decode_draft_acceptance_rate` (DAR = accepted / drafted); `trtllm_spec_decode_simulated` is 1 when
+`--simulate-acceptance-length` makes the acceptance synthetic.
 """
 from __future__ import annotations
 
@@ -99,7 +106,36 @@ class Metrics:
         if "kv_cache_total_blocks" in stats and "kv_cache_used_blocks" in stats:
             free = stats["kv_cache_total_blocks"] - stats["kv_cache_used_blocks"]
             lines.append(f"{family('kv_cache_free_blocks', 'gauge', 'KV-cache blocks free.')} {float(free)!r}")
+        if stats.get("spec_decode"):
+            spec_lines(stats["spec_decode"], family, lines)
         return "\n".join(lines) + "\n"
+
+
+def spec_lines(sd: dict, family, out: list[str]) -> None:
+    """Append the speculative-decoding series of `LLMEngine.stats()["spec_decode"]` to out (`family(name, type,
+    help)` appends a family's header to out and returns its full name)."""
+    n = family("spec_decode_acceptance_length", "histogram",
+               "Tokens emitted per speculative verify step (accepted drafts + 1).")
+    hist = {int(k): v for k, v in sd["acceptance_length_histogram"].items()}
+    acc = 0
+    for le in range(1, int(sd["num_draft_tokens"]) + 2):
+        acc += hist.get(le, 0)
+        out.append(f'{n}_bucket{{le="{le}"}} {acc}')
+    total = sum(hist.values())
+    out += [f'{n}_bucket{{le="+Inf"}} {total}', f"{n}_sum {float(sum(k * v for k, v in hist.items()))!r}",
+            f"{n}_count {total}"]
+    for key, name, kind, text in (
+            ("draft_tokens", "spec_decode_drafted_tokens_total", "counter", "Draft tokens proposed for verification."),
+            ("accepted_draft_tokens", "spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
+            ("verify_steps", "spec_decode_num_verify_steps_total", "counter", "Speculative verify steps."),
+            ("acceptance_length", "spec_decode_mean_acceptance_length", "gauge",
+             "Mean acceptance length (tokens per verify step)."),
+            ("draft_acceptance_rate", "spec_decode_draft_acceptance_rate", "gauge",
+             "Draft acceptance rate (accepted / drafted tokens)."),
+            ("simulated", "spec_decode_simulated", "gauge",
+             "1 when the acceptance is simulated (--simulate-acceptance-length), not the model's.")):
+        full = family(name, kind, text)
+        out.append(f"{full} {float(sd[key])!r}")
 
 
 def parse(text: str) -> dict[str, float]:

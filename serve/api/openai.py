@@ -3,6 +3,9 @@
 Request fields follow the OpenAI API; extensions as in vLLM / trtllm-serve: `top_k`, `ignore_eos`,
 `stop_token_ids`, `return_token_ids` (adds `prompt_token_ids` / `token_ids`), and for chat
 `chat_template_kwargs: {"thinking": bool, "reasoning_effort": ...}` or DeepSeek's `thinking: {"type": "enabled"}`.
+On a speculative server `usage` also holds the request's `acceptance_length` (AL, tokens per verify step),
+`draft_acceptance_rate` (DAR), `verify_steps`, `draft_tokens`, `accepted_draft_tokens`, and
+`simulated_acceptance: true` when `--simulate-acceptance-length` made the acceptance synthetic.
 Chat prompts use the DeepSeek-V4.1 / V4 encoding (dsflash.serve.encoding); in thinking mode the reply is split
 into `reasoning_content` and `content` at `</think>`. Completion prompts may be text or token ids.
 """
@@ -53,8 +56,11 @@ def _sampling_fields(fe: Frontend, body: dict, max_tokens_default: int, logprobs
 
 
 def _usage(s: Stream) -> dict:
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens}
+    out = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+           "total_tokens": s.prompt_tokens + s.completion_tokens}
+    if s.spec is not None:
+        out.update(s.spec)
+    return out
 
 
 def _token_str(fe: Frontend, tid: int) -> str:

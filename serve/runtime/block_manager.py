@@ -162,5 +162,14 @@ class BlockManager:
         table.extend(self.free_ids.popleft() for _ in range(n))
         return table
 
+    def trim(self, key: str, n_tokens: int) -> None:
+        """Give back the pages past what n_tokens tokens need (a speculative verify's rejected drafts)."""
+        table = self.tables.get(key)
+        if table is None:
+            return
+        keep = self.layout.blocks_for(n_tokens)
+        while len(table) > keep:
+            self.free_ids.append(table.pop())
+
     def free(self, key: str) -> None:
         self.free_ids.extend(self.tables.pop(key, ()))

@@ -7,17 +7,38 @@ into the pages the block manager hands out; the plan it receives is the same.
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same `step` calls in the same order (the TP all-reduces inside the model pair up).
+
+Speculative engines (single rank, `speculative=SpecConfig`): each request owns a batch-1 `SpeculativeDecoder`
+(serve/spec_decode.py) whose state is the request's model state. Prompt / recompute segments run the target
+forward that also yields the drafter's inputs and commit them to the drafter (the last segment's rows wait for the
+sampled token: `finish_prefill`); a decode segment is one draft + verify + accept + rollback iteration that
+returns several tokens (`SpecStep`).
 """
 from __future__ import annotations
 
 import torch
 
-from dsflash.serve.runtime.scheduler import Batch
+import dataclasses
+from dataclasses import dataclass
+
+from dsflash.serve.runtime.sampling import SamplingParams, mask_top_k_top_p
+from dsflash.serve.runtime.scheduler import Batch, Segment
 from dsflash.serve.runtime.sequence import Sequence
 
 
+@dataclass
+class SpecStep:
+    """What one speculative decode produced: the new tokens (accepted drafts + one), the target logits [n,V] each
+    was drawn from, and the verify's drafted / accepted counts."""
+    tokens: list[int]
+    logits: torch.Tensor
+    drafted: int
+    accepted: int
+
+
 class ModelRunner:
-    def __init__(self, engine_dir: str, rank: int = 0, comm=None, model=None, control=None):
+    def __init__(self, engine_dir: str, rank: int = 0, comm=None, model=None, control=None, speculative=None,
+                 wrap_drafter=None):
         from dsflash.build.engine import load_engine_model, open_engine
         eng = open_engine(engine_dir)
         self.device = "cpu" if eng.meta["arch"] == "cpu" else f"cuda:{torch.cuda.current_device()}"
@@ -25,6 +46,8 @@ class ModelRunner:
             model, eng = load_engine_model(engine_dir, rank, comm=comm, device=self.device)
         self.model, self.engine, self.control = model, eng, control
         self.args = eng.args
+        self.spec = speculative       # SpecConfig | None
+        self.wrap_drafter = wrap_drafter   # (drafter, seq) -> drafter: tests substitute proposals
 
     def forward(self, state, ids: list[int]) -> torch.Tensor:
         """Feed ids to one request's state; -> logits of the last position [V] fp32."""
@@ -39,6 +62,11 @@ class ModelRunner:
             self.control.send_step(released, [(s.seq.request_id, s.ids, s.reset) for s in batch.segments])
         out = {}
         for seg in batch.segments:
+            if self.spec is not None:
+                res = self._run_spec(seg)
+                if res is not None:
+                    out[seg.seq] = res
+                continue
             if seg.reset:
                 seg.seq.state = self.model.new_state(1)
             logits = self.forward(seg.seq.state, seg.ids)
@@ -46,3 +74,55 @@ class ModelRunner:
             if seg.sample:
                 out[seg.seq] = logits
         return out
+
+    # -- speculative ---------------------------------------------------------------------------------------------
+    def _decoder(self, seq: Sequence):
+        from dsflash.serve.spec_decode import SpeculativeDecoder
+        p = seq.params
+        cfg = dataclasses.replace(self.spec, temperature=0.0 if p.greedy else float(p.temperature))
+        wrap = (lambda d: self.wrap_drafter(d, seq)) if self.wrap_drafter is not None else None
+        dec = SpeculativeDecoder(self.model, cfg, 1, wrap)
+        dec.generator = seq.generator         # the request's own RNG (seeded requests are reproducible)
+        dec.stats = [seq.spec_stats]
+        if not p.greedy and (p.top_k > 0 or p.top_p < 1):
+            dec.target_probs = lambda logits, p=p: _masked_probs(logits, p)
+        seq.spec_simulated = dec.simulated
+        return dec
+
+    def _run_spec(self, seg: Segment):
+        from dsflash.serve.spec_decode import target_forward
+        seq = seg.seq
+        if seg.reset:
+            seq.spec = self._decoder(seq)
+            seq.state, seq.spec_pending = seq.spec.state, None
+        dec = seq.spec
+        with torch.no_grad():
+            if seg.draft is not None:                      # decode: draft + verify + accept + rollback
+                before = seq.spec_stats.drafted
+                new = dec.step(seg.draft + 1)[0].tolist()
+                seq.num_computed = seg.start + len(new)    # the pending token + the accepted drafts
+                return SpecStep(new, dec.last_logits[0].float(), seq.spec_stats.drafted - before, len(new) - 1)
+            x = torch.tensor([seg.ids], dtype=torch.long, device=self.device)
+            logits, hidden = target_forward(self.model, x, dec.state)
+            seq.num_computed = seg.end
+            if seg.sample:                                 # the drafter's last row needs the token sampled next
+                seq.spec_pending = (hidden, seg.ids[1:])
+                return logits[0, -1].float()
+            nxt = torch.tensor([seq.token_ids[seg.start + 1:seg.end + 1]], dtype=torch.long, device=self.device)
+            dec.drafter.commit(hidden, nxt)
+        return None
+
+    def finish_prefill(self, seq: Sequence, token: int) -> None:
+        """The token sampled after a prompt / recompute: commit the waiting drafter rows; it is the next bonus."""
+        hidden, ids = seq.spec_pending
+        seq.spec_pending = None
+        with torch.no_grad():
+            seq.spec.drafter.commit(hidden, torch.tensor([ids + [token]], dtype=torch.long, device=self.device))
+        seq.spec.bonus = torch.tensor([token], dtype=torch.long, device=self.device)
+
+
+def _masked_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [B,S,V] -> the request's sampling distribution (temperature, top-k, top-p) in float64."""
+    x = logits.double() / p.temperature
+    rows = [mask_top_k_top_p(r, p.top_k, p.top_p) for r in x.reshape(-1, x.shape[-1])]
+    return torch.softmax(torch.stack(rows).reshape(x.shape), -1)

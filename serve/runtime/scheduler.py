@@ -4,7 +4,9 @@ Each step holds at most `max_num_tokens` tokens and `max_batch_size` requests (r
 Order within a step: (1) prompt chunks / recomputation of running requests, oldest first; (2) waiting requests in
 arrival order while a slot, the token budget and the pages for all their known tokens allow (head of line blocks:
 no overtaking), keeping back the pages the running decodes need this step (pages are still taken block by block);
-(3) one decode token per running request, oldest first.
+(3) one decode token per running request, oldest first (speculative engines: the pending token + up to
+num_draft_tokens drafts, all counted against the budget, pages for the whole verify width; the engine trims the
+pages back to the committed tokens after the step).
 
 Prompts are cut at fixed multiples of max_num_tokens and a chunk is never split to fill a budget, so the sequence
 of model calls a request sees never depends on its neighbours (batch invariance is exact). When a running request
@@ -32,6 +34,7 @@ class Segment:
     seq: Sequence
     start: int
     end: int
+    draft: int | None = None    # speculative decode: draft tokens verified with the pending token (width draft + 1)
 
     @property
     def ids(self) -> list[int]:
@@ -53,13 +56,17 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.end - s.start for s in self.segments)
+        return sum(s.end - s.start + (s.draft or 0) for s in self.segments)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_tokens: int, max_batch_size: int, max_queue: int):
+    def __init__(self, blocks: BlockManager, max_num_tokens: int, max_batch_size: int, max_queue: int,
+                 num_draft_tokens: int = 0, max_seq_len: int | None = None):
         self.blocks, self.max_num_tokens, self.max_batch_size, self.max_queue = \
             blocks, max_num_tokens, max_batch_size, max_queue
+        # speculative engines: a decode verifies the pending token + up to num_draft_tokens drafts (never more than
+        # the request may still emit, nor than the step's token budget leaves); its pages cover the verify width
+        self.num_draft_tokens, self.max_seq_len = num_draft_tokens, max_seq_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -97,7 +104,8 @@ class Scheduler:
         for seq in list(self.running):
             if not seq.is_decode and seq in self.running:
                 self._take(seq, batch)
-        reserve = sum(self.blocks.needed(s.request_id, s.num_computed + 1) for s in self.running if s.is_decode)
+        reserve = sum(self.blocks.needed(s.request_id, s.num_computed + 1 + self._draft(s)) for s in self.running
+                      if s.is_decode)
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if seq in batch.preempted:      # just preempted: not back in the same step
@@ -113,9 +121,21 @@ class Scheduler:
             if self._budget(batch) < 1:
                 break
             if seq.is_decode and seq in self.running and not self._scheduled(seq, batch):
-                if self._make_room(seq, seq.num_computed + 1, batch):
-                    batch.segments.append(Segment(seq, seq.num_computed, seq.num_computed + 1))
+                if not self.num_draft_tokens:
+                    if self._make_room(seq, seq.num_computed + 1, batch):
+                        batch.segments.append(Segment(seq, seq.num_computed, seq.num_computed + 1))
+                    continue
+                k = min(self._draft(seq), self._budget(batch) - 1)
+                if self._make_room(seq, seq.num_computed + 1 + k, batch):
+                    batch.segments.append(Segment(seq, seq.num_computed, seq.num_computed + 1, draft=k))
         return batch
+
+    def _draft(self, seq: Sequence) -> int:
+        """Draft tokens of seq's next speculative decode (0 on a non-speculative engine)."""
+        if not self.num_draft_tokens:
+            return 0
+        left = seq.remaining(self.max_seq_len) if self.max_seq_len else seq.params.max_tokens - seq.num_generated
+        return max(0, min(self.num_draft_tokens, left - 1))
 
     def _budget(self, batch: Batch) -> int:
         return self.max_num_tokens - batch.num_tokens

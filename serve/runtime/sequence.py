@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from dsflash.serve.runtime.sampling import SamplingParams, make_generator
+from dsflash.serve.speculative import SpecStats
 
 
 @dataclass
@@ -18,7 +19,8 @@ class Request:
 
 @dataclass
 class Output:
-    """What one scheduler step produced for one request (the streaming unit).
+    """What one scheduler step produced for one request (the streaming unit; a speculative decode may add several
+    tokens).
 
     `text` is the detokenized text added by this output (stop strings and stop tokens excluded; text that could be
     the start of a stop string is held back until it is decided). `logprobs`: one dict per new token,
@@ -31,6 +33,7 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""
+    spec: dict | None = None           # speculative engines: the request's acceptance so far (`Sequence.spec_report`)
 
 
 class Status(enum.Enum):
@@ -94,6 +97,25 @@ class Sequence:
         self.stop_ids = frozenset(stops)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # speculative engines (rank 0): the batch-1 SpeculativeDecoder over `state`, the last prompt chunk's drafter
+        # rows waiting for the sampled token, and the request's acceptance counts (kept across preemptions)
+        self.spec = None
+        self.spec_pending = None
+        self.spec_stats = SpecStats()
+        self.spec_simulated = False
+
+    def spec_report(self) -> dict:
+        """Per-request AL / DAR (TensorRT-LLM names), for the responses."""
+        s = self.spec_stats
+        out = {"acceptance_length": s.mean_al, "draft_acceptance_rate": s.dar, "verify_steps": s.steps,
+               "draft_tokens": s.drafted, "accepted_draft_tokens": s.accepted}
+        if self.spec_simulated:
+            out["simulated_acceptance"] = True
+        return out
+
+    def remaining(self, max_seq_len: int) -> int:
+        """New tokens this request may still emit (max_tokens and max_seq_len)."""
+        return min(self.params.max_tokens - self.num_generated, max_seq_len - len(self.token_ids))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -131,4 +153,5 @@ class Sequence:
     def reset_cache(self) -> None:
         """Preempted: drop the model state; the prompt and generated tokens are recomputed later."""
         self.state, self.num_computed, self.status = None, 0, Status.PREEMPTED
+        self.spec = self.spec_pending = None
         self.num_preemptions += 1
