@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                    help="compute dtype of CPU (reference) engines; float64 for exactness tests")
+    p.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
+                   help="record the drafter the engine serves with by default (dspark: V4.1, mtp: V4)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=0,
+                   help="draft tokens per step (default: the DSpark block size / one per MTP layer)")
     p.add_argument("--dry-run", action="store_true", help="print the per-rank plan and write nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.moe_ep, moe_tp_size=a.moe_tp)
-        cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype, dtype=a.dtype)
+        cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype,
+                          a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype)
         if a.preset:
             if not a.dry_run:
                 raise ValueError("--preset builds only a plan: add --dry-run (engines need --ckpt)")

@@ -54,6 +54,7 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
     src = open_source(ckpt_dir)
     check_layout_arch(src.layout, arch)
     args = src.args
+    check_speculative(args, cfg)
     table = tensor_table(args)
     plans = plan_ranks(args, table, mapping, arch)
     out = Path(out)
@@ -91,6 +92,22 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
         verify_engine(tmp)
         src.copy_tokenizer(tmp)
     return out
+
+
+def check_speculative(args, cfg: BuildConfig) -> None:
+    """The recorded drafter must exist in the model: DSpark stages (V4.1) or MTP blocks (V4)."""
+    alg, n = cfg.speculative_algorithm, cfg.speculative_num_draft_tokens
+    if alg is None:
+        if n:
+            raise EngineError("--speculative-num-draft-tokens needs --speculative-algorithm")
+        return
+    if alg == "dspark" and (args.family != "v41" or not args.n_draft):
+        raise EngineError(f"--speculative-algorithm dspark needs a V4.1 model with DSpark stages (this is {args.family})")
+    if alg == "mtp" and (args.family != "v4" or not args.n_draft):
+        raise EngineError(f"--speculative-algorithm mtp needs a V4 model with an MTP block (this is {args.family})")
+    limit = args.dspark_block_size if alg == "dspark" else args.n_draft
+    if not 0 <= n <= limit:
+        raise EngineError(f"--speculative-num-draft-tokens must be in 1..{limit} for {alg}, got {n}")
 
 
 def local_entry(e: TensorEntry, cut) -> TensorEntry:

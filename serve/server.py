@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"dsflash serve: {e}", file=sys.stderr)
         return 2
+    built = eng.meta["build_config"]
+    if a.speculative_algorithm is None and built.get("speculative_algorithm"):  # the engine's recorded default
+        a.speculative_algorithm = built["speculative_algorithm"]
+        a.speculative_num_draft_tokens = a.speculative_num_draft_tokens or built.get("speculative_num_draft_tokens") or None
     try:
         spec = speculative_config(a, eng.args)
         if spec is not None and eng.world_size != 1:

@@ -173,3 +173,17 @@ def test_hopper_engine_pads_experts_after_sharding(tmp_path):
                 assert got.shape[dim] == 64
                 assert torch.equal(got.narrow(dim, 0, 32), full.narrow(dim, 32 * rank, 32))
                 assert torch.equal(got.narrow(dim, 32, 32), torch.zeros_like(got.narrow(dim, 32, 32)))
+
+
+def test_speculative_defaults_are_recorded_and_checked(hf_v41, tmp_path):
+    r = dsflash("build", "--ckpt", str(hf_v41), "--out", str(tmp_path / "x"), "--speculative-algorithm", "mtp",
+                check=False)
+    assert r.returncode != 0 and "mtp needs a V4 model with an MTP block (this is v41)" in r.stderr
+    r = dsflash("build", "--ckpt", str(hf_v41), "--out", str(tmp_path / "x"), "--speculative-algorithm", "dspark",
+                "--speculative-num-draft-tokens", "9", check=False)
+    assert r.returncode != 0 and "must be in 1..5 for dspark" in r.stderr
+    assert not (tmp_path / "x").exists()
+    dsflash("build", "--ckpt", str(hf_v41), "--out", str(tmp_path / "e"), "--speculative-algorithm", "dspark",
+            "--speculative-num-draft-tokens", "3")
+    cfg = json.loads((tmp_path / "e" / "engine.json").read_text())["build_config"]
+    assert cfg["speculative_algorithm"] == "dspark" and cfg["speculative_num_draft_tokens"] == 3
