@@ -15,7 +15,6 @@ ARCHES = ("cpu", "sm90", "sm100")
 ARCH_LAYOUT = {"cpu": "reference", "sm90": "hopper", "sm100": "blackwell"}
 # Expert intermediate tile of the MoE kernel per arch: local widths are padded up to it after sharding.
 EXPERT_TILE = {"cpu": 1, "sm90": 64, "sm100": 64}
-_DTYPE_BYTES = {"BF16": 2, "F32": 4, "I64": 8, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 
 
 @dataclass
@@ -63,16 +62,7 @@ def check_topology(args, mapping: Mapping) -> None:
 
 
 def stored_bytes(entry: TensorEntry, cut: Cut, weight_block: int) -> int:
-    shape = cut.shape(entry.shape)
-    local = TensorEntry(entry.name, shape, entry.role, entry.init, entry.shard)
-    return sum(_numel(s) * _DTYPE_BYTES[d] for s, d in local.stored(weight_block).values())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return TensorEntry(entry.name, cut.shape(entry.shape), entry.role, entry.init, entry.shard).stored_bytes(weight_block)
 
 
 def plan_ranks(args, table: list[TensorEntry], mapping: Mapping, arch: str) -> list[RankPlan]:

@@ -134,15 +134,28 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
     return out
 
 
+def checkpoint_bytes(args: ModelArgs) -> int:
+    """On-disk size of the checkpoint `args` describes (from the name table alone)."""
+    return sum(e.stored_bytes(args.weight_block) for e in tensor_table(args))
+
+
+MAX_SYNTH_BYTES = 16 << 30
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsflash synth", description="Write a random checkpoint in the real HF format.")
     p.add_argument("--family", choices=("v41", "v4"), default="v41")
     p.add_argument("--preset", default="tiny", help="preset name (tiny, tiny-wide, tiny-b, full, ...)")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help=f"write checkpoints larger than {MAX_SYNTH_BYTES >> 30} GiB")
     a = p.parse_args(argv)
     try:
         args = get_preset(a.family, a.preset)
+        size = checkpoint_bytes(args)
+        if size > MAX_SYNTH_BYTES and not a.force:
+            raise ValueError(f"preset {a.family}/{a.preset} is a {size / 2**30:.1f} GiB checkpoint; full-size shapes "
+                             f"run with dummy weights on the GPU instead (add --force to write it anyway)")
         synthesize(args, a.out, a.seed, progress=True)
     except (ValueError, FileExistsError) as e:
         print(f"dsflash synth: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ ROLES = {
     "mxfp4": "I8 packed e2m1 [out, in/2] (low nibble = even index) + F8_E8M0 scale [out, in/32]",
     "fp8_rows32": "F8_E4M3 [rows, d] + F8_E8M0 scale [rows, d/32]",
 }
+DTYPE_BYTES = {"BF16": 2, "F32": 4, "I64": 8, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 QUANTIZED_ROLES = ("fp8_block", "mxfp4", "fp8_rows32")
 INITS = ("linear", "embed", "norm", "hc_fn", "hc_base", "hc_scale", "sink", "bias", "ape", "tid2eid", "small")
 SHARDS = (None, "col", "row", "rows", "expert", "head")
@@ -42,6 +43,16 @@ class TensorEntry:
     def scale_name(self) -> str:
         assert self.quantized, self.name
         return self.name.removesuffix(".weight") + ".scale"
+
+    def stored_bytes(self, weight_block: int) -> int:
+        """Bytes this entry occupies on disk in the HF format."""
+        total = 0
+        for shape, dtype in self.stored(weight_block).values():
+            n = DTYPE_BYTES[dtype]
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def stored(self, weight_block: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """HF tensors this entry occupies on disk: name -> (shape, safetensors dtype)."""

@@ -69,3 +69,9 @@ def test_console_script_help_and_unknown():
         assert name in ok.stdout
     bad = subprocess.run([*cmd, "no-such-command"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0
+
+
+def test_synth_refuses_a_full_size_checkpoint_without_force(tmp_path):
+    from dsflash.convert.synth import main as synth_main
+    assert synth_main(["--family", "v41", "--preset", "full", "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
