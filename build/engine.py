@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dsflash.build.plan import ARCH_LAYOUT, BuildConfig, expert_widths, plan_ranks
+from dsflash.build.plan import ARCH_LAYOUT, BuildConfig, expert_widths, plan_rank, plan_ranks
 from dsflash.build.shard import cut_stored
 from dsflash.build.source import open_source
 from dsflash.convert.atomic import atomic_dir
@@ -246,7 +246,7 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = 
     model = build_model(args, "deploy", mapping=mapping, comm=comm, dtype=dtype, device=device)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     table = tensor_table(args)
-    cuts = plan_ranks(args, table, mapping, meta["arch"])[rank].cuts
+    cuts = plan_rank(args, table, mapping, meta["arch"]).cuts
     with safe_open(str(eng.rank_file(rank)), framework="pt") as f, torch.no_grad():
         for e in table:
             if e.name not in cuts:

@@ -65,23 +65,23 @@ def stored_bytes(entry: TensorEntry, cut: Cut, weight_block: int) -> int:
     return TensorEntry(entry.name, cut.shape(entry.shape), entry.role, entry.init, entry.shard).stored_bytes(weight_block)
 
 
-def plan_ranks(args, table: list[TensorEntry], mapping: Mapping, arch: str) -> list[RankPlan]:
+def plan_rank(args, table: list[TensorEntry], mapping: Mapping, arch: str) -> RankPlan:
+    """What `mapping.rank` holds: the cut of every entry on it, tensor count and bytes."""
     check_topology(args, mapping)
     n_exp = experts_per_prefix(table)
-    pad = EXPERT_TILE[arch]
-    plans = []
-    for r in range(mapping.world_size):
-        m = mapping.for_rank(r)
-        plan = RankPlan(r)
-        for e in table:
-            cut = plan_cut(e, m, n_exp, args.weight_block, pad)
-            if cut is None:
-                continue
-            plan.cuts[e.name] = cut
-            plan.tensors += len(e.stored(args.weight_block))
-            plan.bytes += stored_bytes(e, cut, args.weight_block)
-        plans.append(plan)
-    return plans
+    plan = RankPlan(mapping.rank)
+    for e in table:
+        cut = plan_cut(e, mapping, n_exp, args.weight_block, EXPERT_TILE[arch])
+        if cut is None:
+            continue
+        plan.cuts[e.name] = cut
+        plan.tensors += len(e.stored(args.weight_block))
+        plan.bytes += stored_bytes(e, cut, args.weight_block)
+    return plan
+
+
+def plan_ranks(args, table: list[TensorEntry], mapping: Mapping, arch: str) -> list[RankPlan]:
+    return [plan_rank(args, table, mapping.for_rank(r), arch) for r in range(mapping.world_size)]
 
 
 def expert_widths(args, mapping: Mapping, arch: str) -> dict[str, int]:

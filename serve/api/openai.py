@@ -119,6 +119,20 @@ class ThinkingSplit:
         return text[:a], text[b:]
 
 
+
+async def _collect_whole(fe: Frontend, request: Request, s: Stream) -> Response | None:
+    """Wait for the whole (non-streamed) answer; the error response if the client left or the request failed."""
+    try:
+        await until_disconnect(request, s.collect())
+    except ClientGone:
+        await s.aclose()
+        return Response(status_code=499)
+    except APIError as e:
+        await s.aclose()
+        fe.metrics.record_error(e.status)
+        return openai_error(e)
+    return None
+
 async def list_models(fe: Frontend, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": fe.model_name, "object": "model", "created": fe.created, "owned_by": "dsflash",
@@ -158,15 +172,9 @@ async def completions(fe: Frontend, request: Request) -> Response:
     created, model = int(time.time()), fe.model_name
     base = {"id": s.request_id, "object": "text_completion", "created": created, "model": model}
     if not stream_mode:
-        try:
-            await until_disconnect(request, s.collect())
-        except ClientGone:
-            await s.aclose()
-            return Response(status_code=499)
-        except APIError as e:
-            await s.aclose()
-            fe.metrics.record_error(e.status)
-            return openai_error(e)
+        failed = await _collect_whole(fe, request, s)
+        if failed is not None:
+            return failed
         choice = {"index": 0, "text": s.text, "logprobs": completion_logprobs(fe, s.logprobs) if params.logprobs
                   is not None else None, "finish_reason": s.finish_reason}
         if want_ids:
@@ -239,15 +247,9 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
     base = {"id": s.request_id, "object": "chat.completion", "created": int(time.time()), "model": fe.model_name}
     split = ThinkingSplit(fe, thinking)
     if not stream_mode:
-        try:
-            await until_disconnect(request, s.collect())
-        except ClientGone:
-            await s.aclose()
-            return Response(status_code=499)
-        except APIError as e:
-            await s.aclose()
-            fe.metrics.record_error(e.status)
-            return openai_error(e)
+        failed = await _collect_whole(fe, request, s)
+        if failed is not None:
+            return failed
         reasoning, content = split.push(s.token_ids, s.text)
         msg = {"role": "assistant", "content": content, "reasoning_content": reasoning if thinking else None}
         choice = {"index": 0, "message": msg, "logprobs": chat_logprobs(fe, s.logprobs) if lp is not None else None,
