@@ -23,8 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
-                   help="compute dtype of CPU (reference) engines; float64 for exactness tests")
+    p.add_argument("--dtype", default="", choices=("float32", "float64", "bfloat16"),
+                   help="activation dtype (default: bfloat16 for GPU arches, float32 for cpu; float64 for exactness "
+                        "tests of CPU engines)")
+    p.add_argument("--disable-plugin", action="append", default=[], metavar="OP",
+                   help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a); repeatable")
+    p.add_argument("--tune-budget-s", type=float, default=600.0,
+                   help="time cap of kernel tuning on the GPU (untuned shapes use default configs, logged in serve)")
     p.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
                    help="record the drafter the engine serves with by default (dspark: V4.1, mtp: V4)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=0,
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.moe_ep, moe_tp_size=a.moe_tp)
         cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype,
-                          a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype)
+                          a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype,
+                          disable_plugins=a.disable_plugin, tune_budget_s=a.tune_budget_s)
         if a.preset:
             if not a.dry_run:
                 raise ValueError("--preset builds only a plan: add --dry-run (engines need --ckpt)")

@@ -82,7 +82,7 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
             "layout": src.layout,
             "expert_dtype": src.expert_dtype,
             **expert_widths(args, mapping, arch),
-            "plugins": default_plugins(arch),
+            "plugins": default_plugins(arch, tuple(cfg.disable_plugins), args.family),
             "source": str(Path(ckpt_dir).resolve()),
             "ranks": ranks,
         }
@@ -124,9 +124,18 @@ def to_layout(e: TensorEntry, ref: dict[str, torch.Tensor], layout: str, expert_
     return out
 
 
-def default_plugins(arch: str) -> dict[str, str]:
-    """Per-op implementation; CPU engines run the plain-PyTorch references."""
-    return {"linear": "reference", "moe": "reference", "attention": "reference", "mhc": "reference"}
+def default_plugins(arch: str, disabled: tuple[str, ...] = (), family: str = "v41") -> dict[str, str]:
+    """Per-op implementation: CPU engines run the plain-PyTorch references, V4.1 GPU engines the plugin kernels
+    (`disabled` ops keep the reference, like trtllm-build's `--gemm_plugin disable`). The kernels implement V4.1's
+    formats (group-32 FP8, its router and block); V4 engines record the references until V4 kernels exist."""
+    from dsflash.model_def.dispatch import PLUGIN_IMPLS, REFERENCE
+    use = arch != "cpu" and family == "v41"
+    return {op: (impls[-1] if use and op not in disabled else REFERENCE) for op, impls in PLUGIN_IMPLS.items()}
+
+
+def default_dtype(arch: str) -> str:
+    """Activation dtype of an engine: the plugin kernels run BF16; CPU references fp32 (or fp64 for exactness)."""
+    return "float32" if arch == "cpu" else "bfloat16"
 
 
 def _sha256(path: Path) -> str:
@@ -233,20 +242,29 @@ def verify_engine(path: str | Path) -> None:
             raise EngineError(f"{eng.rank_file(r)}: no tensors for rank-{r} model parameters, e.g. {unused[:3]}")
 
 
-def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = "cpu", dtype=None):
-    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors (dtype: the build's `--dtype`)."""
-    eng = open_engine(path)
-    if dtype is None:
-        dtype = getattr(torch, eng.meta["build_config"].get("dtype", "float32"))
-    if eng.meta["expert_inter_padded"] != eng.meta["expert_inter_local"]:
-        raise EngineError(f"{path}: padded expert layouts run only with the GPU plugins")
+def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | None = None, dtype=None,
+                      plugins: str | dict | None = None, check_arch: bool = True):
+    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors (dtype: the build's `--dtype`;
+    device: the current CUDA device for GPU engines, else the CPU).
+
+    plugins: None = the engine's selection (engine.json `plugins`), "reference" = none, or {op: impl} overrides.
+    Plugin ops get their tensors in the kernel's format (build/bind.py); padded expert columns are cut off for the
+    reference experts (they are zero)."""
+    from dsflash.build.bind import bind_plugins, resolve_plugins, wants_kernel_format
     from dsflash.convert import layouts
+    eng = open_engine(path, check_arch=check_arch)
+    if device is None:
+        device = "cuda" if eng.meta["arch"] != "cpu" and torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = getattr(torch, eng.meta["build_config"].get("dtype") or default_dtype(eng.meta["arch"]))
+    chosen = resolve_plugins(eng.meta.get("plugins", default_plugins("cpu")), plugins)
     args, meta = eng.args, eng.meta
     mapping = eng.mapping(rank)
     model = build_model(args, "deploy", mapping=mapping, comm=comm, dtype=dtype, device=device)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     table = tensor_table(args)
     cuts = plan_rank(args, table, mapping, meta["arch"]).cuts
+    kept: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(eng.rank_file(rank)), framework="pt") as f, torch.no_grad():
         for e in table:
             if e.name not in cuts:
@@ -254,7 +272,24 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str = 
             le = local_entry(e, cuts[e.name])
             ours = {n: f.get_tensor(n) for n in layouts.stored_names(le, meta["layout"], meta["expert_dtype"], args)}
             value = layouts.dequantize(le, ours, meta["layout"], meta["expert_dtype"], args)
-            params[e.name].copy_(value.to(params[e.name].dtype))
+            p = params[e.name]
+            if value.shape != p.shape:   # expert widths padded after sharding: the padding is zero
+                value = value[tuple(slice(0, s) for s in p.shape)]
+            p.copy_(value.to(p.dtype))
+            if wants_kernel_format(chosen, args, le):
+                ref = layouts.to_reference(le, ours, meta["layout"], meta["expert_dtype"], args)
+                kept[e.name] = {"q": ref[e.name].to(device), "s": ref[e.scale_name].to(device)}
+                bf16 = layouts.name_of(le, "weight_bf16")
+                if bf16 in ours:
+                    kept[e.name]["bf16"] = ours[bf16].to(device)
+    if any(impl != "reference" for impl in chosen.values()):
+        bind_plugins(model, args, chosen, kept, meta["expert_inter_local"], mapping.moe_ep_size)
+        if chosen.get("gemm") == "fp8_gemm":
+            from dsflash.build.tune import TUNED_FILE, gemm_table
+            from dsflash.plugins import tuning
+            f = Path(path) / TUNED_FILE
+            # no tuned.json (or no entry for a shape): the default config, logged once per shape
+            tuning.set_table(gemm_table(json.loads(f.read_text()) if f.is_file() else None))
     if hasattr(model, "load_tokenizer"):
         model.load_tokenizer(Path(path) / "tokenizer.json")
     return model.eval(), eng

@@ -27,14 +27,23 @@ class BuildConfig:
     speculative_num_draft_tokens: int = 0
     # CPU engines run the plain-PyTorch references; float64 makes their "fp32 math" independent of summation order,
     # so TP sharding or chunk shapes cannot move a value across an FP8/FP4 rounding boundary (exactness tests)
-    dtype: str = "float32"
+    # "" = the arch's default (build/engine.py `default_dtype`): bfloat16 for the GPU plugins, float32 on CPU
+    dtype: str = ""
+    # ops that keep the plain-PyTorch reference in a GPU engine (engine.json `plugins`), e.g. ["gemm"]
+    disable_plugins: list[str] = field(default_factory=list)
+    # wall-clock cap of build-time kernel tuning; buckets left untuned fall back visibly in serve
+    tune_budget_s: float = 600.0
 
     def __post_init__(self) -> None:
         for k in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
+        if self.dtype not in ("", "float32", "float64", "bfloat16"):
+            raise ValueError(f"--dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
+        from dsflash.model_def.dispatch import PLUGIN_IMPLS
+        for op in self.disable_plugins:
+            if op not in PLUGIN_IMPLS:
+                raise ValueError(f"--disable-plugin {op!r}: not a plugin op; choices: {sorted(PLUGIN_IMPLS)}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
 

@@ -1,24 +1,40 @@
 """Build-time autotuning and the `tuned.json` format; serve only looks configs up (never tunes).
 
-tuned.json: {"version": 1, "arch", "gpu", "versions": {torch, triton?}, "entries": [{"op", "bucket", "config",
-"time_us", "candidates": {config-key: time_us}}]}. Shapes are bucketed (token counts rounded up to the bucket list);
-a lookup that finds no entry returns the op's fallback config and logs that once per (op, bucket) — never silently.
+tuned.json: {"version": 1, "arch", "gpu", "versions": {torch, python, triton?},
+  "entries": [{"op", "bucket", "config", "time_us", "candidates": {config-key: time_us}, "failed"?: {config-key: error}}],
+  "skipped": [{"op", "reason", "buckets"?}]}.
+Shapes are bucketed (token counts rounded up to the bucket list); a lookup that finds no entry returns the op's
+fallback config and logs that once per (op, bucket) — never silently. A candidate that fails to compile, launch or
+match the reference is listed under "failed" and never chosen. "skipped" names what was not tuned and why: an op whose
+device this machine lacks (e.g. an sm90 engine built on a CPU machine), buckets left when the time budget ran out,
+or buckets where every candidate failed; serve then uses the defaults and logs each fallback.
+
+Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the group-32 FP8
+GEMM per local dense linear shape, bucket {"n", "k", "m", "bf16_cache"}, config {"path": "fp8", "config":
+GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where the engine holds `.weight_bf16`).
+`gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import platform
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
+
+from dsflash.build.gemm_shapes import dense_gemm_shapes
 
 TUNED_FILE = "tuned.json"
 M_BUCKETS = (1, 8, 64, 512, 4096)
+TUNE_BUDGET_S = 600.0  # whole tune() run; build_config["tune_budget_s"] overrides
 log = logging.getLogger("dsflash.tune")
 
 
@@ -27,14 +43,17 @@ class TunableOp:
     name: str
     buckets: Callable[[dict], list[dict]]  # engine meta -> shape buckets to tune
     candidates: Callable[[dict], list[dict]]  # bucket -> candidate configs
-    make: Callable[[dict, dict], Callable[[], object]]  # (bucket, config) -> runnable
+    make: Callable[[dict, dict], Callable[[], object]]  # (bucket, config) -> runnable (raises: candidate failed)
     fallback: dict
+    device: str = "cpu"  # "cuda": timed on the GPU, and only on a GPU of the engine's arch
+    cleanup: Callable[[], None] | None = field(default=None, compare=False)  # after the op: free cached inputs
 
 
 def m_bucket(m: int) -> int:
     return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
 
 
+# -- lm_head ----------------------------------------------------------------------------------------------------------
 def _lm_head_buckets(engine: dict) -> list[dict]:
     model = engine["model"].get("text_config", engine["model"])
     v, d = model["vocab_size"], model["hidden_size"]
@@ -59,33 +78,271 @@ def _lm_head_candidates(bucket: dict) -> list[dict]:
 
 
 LM_HEAD = TunableOp("lm_head", _lm_head_buckets, _lm_head_candidates, _lm_head_make, {"chunk": 32768})
-TUNABLE_OPS = {"cpu": [LM_HEAD], "sm90": [LM_HEAD], "sm100": [LM_HEAD]}
 
 
-def _time_us(fn, reps: int = 2) -> float:
+# -- fp8_gemm: group-32 FP8 GEMM configs vs the BF16-cache GEMM, per local dense linear shape ------------------------
+L2_BYTES = 60e6        # H200 L2 as PyTorch reports it
+MAX_INPUT_SETS = 48    # rotating weight/activation sets, so weights stream from HBM as in serve (not from L2)
+GEMM_REL_TOL = 1e-2    # both paths multiply exactly and accumulate in fp32: only the BF16 output rounds
+
+
+def _m_buckets_for(engine: dict) -> list[int]:
+    """M_BUCKETS up to the build's max_num_tokens (1 always): serve never runs a larger M."""
+    limit = engine.get("build_config", {}).get("max_num_tokens", M_BUCKETS[-1])
+    return [m for m in M_BUCKETS if m <= limit or m == 1]
+
+
+def _fp8_gemm_buckets(engine: dict) -> list[dict]:
+    # rank 0 stands for all: TP cuts are even (split_range), so every rank runs the same dense shapes
+    shapes = dense_gemm_shapes(engine, 0)
+    # by M first: decode buckets, the most config-sensitive, are tuned before a time budget can run out
+    return [{"n": s["n"], "k": s["k"], "m": m, "bf16_cache": s["bf16_cache"]}
+            for m in _m_buckets_for(engine) for s in shapes]
+
+
+def _fp8_gemm_candidates(bucket: dict) -> list[dict]:
+    from dsflash.plugins import tuning
+    # engines hold the plain [N, K] weight, not a per-config re-tiled copy: `tiled_w` configs cannot run in serve
+    out = [{"path": "fp8", "config": c.to_dict()} for c in tuning.candidates(bucket["n"], bucket["k"], bucket["m"])
+           if not c.tiled_w]
+    if bucket["bf16_cache"]:
+        out.append({"path": "bf16cache"})
+    return out
+
+
+class _GemmInputs:
+    """Random CUDA inputs of one (N, K, M): quantized weights and activations, and lazily their BF16 copies, tiled
+    weights and fp32 reference output (shared by all candidates of a bucket)."""
+
+    def __init__(self, n: int, k: int, m: int):
+        from dsflash.plugins import refs
+        sets = max(1, min(MAX_INPUT_SETS, -(-int(3 * L2_BYTES) // (n * k + m * k))))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.ws = [refs.quant_weight_fp8_ref(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+                   for _ in range(sets)]
+        self.xs = [(torch.randn(m, k, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
+        self.acts = [refs.act_quant_ref(x) for x in self.xs]
+        self._tiled: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._w16: list[torch.Tensor] | None = None
+        self._ref: torch.Tensor | None = None
+
+    def tiled(self, cfg) -> list[torch.Tensor]:
+        from dsflash.plugins.fp8_gemm import tile_weight
+        key = (cfg.block_p, cfg.kgroups)
+        if key not in self._tiled:
+            self._tiled[key] = [tile_weight(w_q, cfg) for w_q, _ in self.ws]
+        return self._tiled[key]
+
+    def w16(self) -> list[torch.Tensor]:
+        from dsflash.plugins.fp8_gemm import bf16_cache_weight
+        if self._w16 is None:
+            self._w16 = [bf16_cache_weight(*w) for w in self.ws]
+        return self._w16
+
+    def ref(self) -> torch.Tensor:
+        from dsflash.plugins import refs
+        if self._ref is None:
+            self._ref = refs.fp8_gemm_ref(*self.acts[0], *self.ws[0], torch.float32)
+        return self._ref
+
+
+@functools.lru_cache(maxsize=1)  # one bucket's inputs at a time: full-size weights are hundreds of MB per set
+def _gemm_inputs(n: int, k: int, m: int) -> _GemmInputs:
+    return _GemmInputs(n, k, m)
+
+
+class _Rotation:
+    """Calls the input sets' runnables in turn; `period` tells the timer how many calls cover every set once."""
+
+    def __init__(self, calls: list[Callable[[], object]]):
+        self.calls, self.period, self._i = calls, len(calls), 0
+
+    def __call__(self):
+        c = self.calls[self._i % self.period]
+        self._i += 1
+        return c()
+
+
+def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
+    from dsflash.plugins import refs
+    from dsflash.plugins.fp8_gemm import bf16_cache_gemm, fp8_gemm
+    from dsflash.plugins.tuning import GemmConfig
+    inp = _gemm_inputs(bucket["n"], bucket["k"], bucket["m"])
+    # both paths timed as `dsflash::fp8_linear` runs them in serve: from the BF16 activation, quantization included
+    if cand["path"] == "bf16cache":
+        calls = [functools.partial(bf16_cache_gemm, x, w) for x, w in zip(inp.xs, inp.w16())]
+    else:
+        from dsflash.plugins.act_quant import act_quant
+        cfg = GemmConfig.from_dict(cand["config"])
+        wt = inp.tiled(cfg) if cfg.tiled_w else [None] * len(inp.ws)
+
+        def fp8_linear(x, w, t):
+            return fp8_gemm(*act_quant(x, "e8m0"), *w, cfg, w_tiled=t)
+        calls = [functools.partial(fp8_linear, x, w, t) for x, w, t in zip(inp.xs, inp.ws, wt)]
+    # first call compiles; a config that launches but computes wrong must not win on speed
+    err = refs.rel_err(calls[0](), inp.ref())
+    if not err <= GEMM_REL_TOL:
+        raise ValueError(f"wrong result: rel err {err:.3g} > {GEMM_REL_TOL}")
+    return _Rotation(calls)
+
+
+def _fp8_gemm_cleanup() -> None:
+    _gemm_inputs.cache_clear()
+    torch.cuda.empty_cache()
+
+
+FP8_GEMM = TunableOp("fp8_gemm", _fp8_gemm_buckets, _fp8_gemm_candidates, _fp8_gemm_make, {"path": "fp8"},
+                     device="cuda", cleanup=_fp8_gemm_cleanup)
+TUNABLE_OPS = {"cpu": [LM_HEAD], "sm90": [LM_HEAD, FP8_GEMM], "sm100": [LM_HEAD]}
+
+
+# -- timing -----------------------------------------------------------------------------------------------------------
+CUDA_TARGET_US = 2000.0  # GPU time per timed replay: long enough that event resolution and jitter do not matter
+CUDA_MAX_CALLS = 512
+CUDA_REPS = 7
+
+
+def _time_us(fn, device: str = "cpu", reps: int = 2) -> float:
+    return _cuda_time_us(fn) if device == "cuda" else _cpu_time_us(fn, reps)
+
+
+def _cpu_time_us(fn, reps: int = 2) -> float:
     fn()  # warm-up, not counted
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) * 1e6)
     return best
 
 
+def _calls_per_replay(fn, period: int) -> int:
+    """Back-to-back calls (a multiple of the input-set period) that take about CUDA_TARGET_US."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(period):
+        fn()
+    e1.record()
+    e1.synchronize()
+    est_us = max(e0.elapsed_time(e1) * 1000 / period, 1.0)
+    rounds = max(1, min(CUDA_MAX_CALLS // period, round(CUDA_TARGET_US / (est_us * period))))
+    return rounds * period
+
+
+def _cuda_time_us(fn, reps: int = CUDA_REPS) -> float:
+    """Median per-call time over `reps` replays of a CUDA graph of back-to-back calls (serve replays graphs too, so
+    no launch gaps count); eager launches between CUDA events where the op cannot be captured."""
+    period = getattr(fn, "period", 1)
+    side = torch.cuda.Stream()  # warm up off the default stream, as graph capture requires of lazily set-up libraries
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(period):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    calls = _calls_per_replay(fn, period)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        run = g.replay
+        run()
+    except Exception:  # not capturable: time eager launches
+        torch.cuda.synchronize()
+        g = None
+
+        def run():
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000 / calls)
+    del g
+    return statistics.median(ts)
+
+
+# -- tuning -----------------------------------------------------------------------------------------------------------
 def _key(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+def _cannot_measure(op: TunableOp, arch: str) -> str | None:
+    """Why `op` cannot be timed for an `arch` engine on this machine (None: it can)."""
+    if op.device != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return f"building {arch} on a machine without an {arch} GPU (no CUDA device)"
+    major, minor = torch.cuda.get_device_capability(0)
+    if f"sm{major}{minor}" != arch:
+        return f"building {arch} on a machine without an {arch} GPU (device 0 is sm{major}{minor})"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return None
+
+
+def _tune_bucket(op: TunableOp, bucket: dict) -> tuple[dict | None, dict[str, str]]:
+    """The bucket's entry (None: no candidate ran) and the failed candidates' errors."""
+    times: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for cand in op.candidates(bucket):
+        key = _key(cand)
+        try:
+            times[key] = _time_us(op.make(bucket, cand), op.device)
+        except Exception as e:  # a config that fails to compile, launch or verify is recorded, never fatal
+            failed[key] = f"{type(e).__name__}: {str(e)[:300]}"
+    if not times:
+        return None, failed
+    best = min(times, key=times.get)
+    entry = {"op": op.name, "bucket": bucket, "config": json.loads(best), "time_us": times[best], "candidates": times}
+    if failed:
+        entry["failed"] = failed
+    return entry, failed
+
+
+def _tune_op(op: TunableOp, engine: dict, deadline: float, entries: list, skipped: list) -> None:
+    buckets = op.buckets(engine)
+    lost: list[dict] = []
+    with tqdm(buckets, desc=f"tune {op.name}", unit="shape", disable=None) as bar:
+        for i, bucket in enumerate(bar):
+            if time.monotonic() > deadline:
+                late = buckets[i:]
+                log.warning("%s: tuning time budget spent; %d buckets not tuned (serve falls back for them): %s",
+                            op.name, len(late), late)
+                skipped.append({"op": op.name, "reason": "time budget spent", "buckets": late})
+                break
+            entry, failed = _tune_bucket(op, bucket)
+            if entry is None:
+                log.warning("%s at %s: every candidate failed, e.g. %s", op.name, bucket, next(iter(failed.values())))
+                lost.append(bucket)
+            else:
+                entries.append(entry)
+    if lost:
+        skipped.append({"op": op.name, "reason": "every candidate failed", "buckets": lost})
+
+
 def tune(engine: dict, arch: str, ops: list[TunableOp] | None = None) -> dict:
-    entries = []
+    budget = float(engine.get("build_config", {}).get("tune_budget_s", TUNE_BUDGET_S))
+    deadline = time.monotonic() + budget
+    entries: list[dict] = []
+    skipped: list[dict] = []
     for op in ops if ops is not None else TUNABLE_OPS[arch]:
-        for bucket in op.buckets(engine):
-            times = {_key(c): _time_us(op.make(bucket, c)) for c in op.candidates(bucket)}
-            best = min(times, key=times.get)
-            entries.append({"op": op.name, "bucket": bucket, "config": json.loads(best), "time_us": times[best],
-                            "candidates": times})
+        reason = _cannot_measure(op, arch)
+        if reason is not None:  # never record a timing that does not describe the target GPU
+            log.warning("%s not tuned: %s; serve will use the default configs and log each fallback", op.name, reason)
+            skipped.append({"op": op.name, "reason": reason})
+            continue
+        try:
+            _tune_op(op, engine, deadline, entries, skipped)
+        finally:
+            if op.cleanup is not None:
+                op.cleanup()
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     try:
         import triton
@@ -93,11 +350,44 @@ def tune(engine: dict, arch: str, ops: list[TunableOp] | None = None) -> dict:
     except ImportError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu:{platform.processor() or 'x86_64'}"
-    return {"version": 1, "arch": arch, "gpu": gpu, "versions": versions, "entries": entries}
+    return {"version": 1, "arch": arch, "gpu": gpu, "versions": versions, "entries": entries, "skipped": skipped}
 
 
 def write_tuned(engine_dir: Path, engine: dict, arch: str) -> None:
     (Path(engine_dir) / TUNED_FILE).write_text(json.dumps(tune(engine, arch), indent=2))
+
+
+# -- serve-side readers -------------------------------------------------------------------------------------------------
+def _gemm_serve_entry(entry: dict) -> dict:
+    """{"path", "config"} of one fp8_gemm entry. A "bf16cache" winner carries the bucket's fastest FP8 config, which
+    linears of that shape without a `.weight_bf16` copy (e.g. `mtp.*`) run instead."""
+    won = entry["config"]
+    if won["path"] == "fp8":
+        return {"path": "fp8", "config": won["config"]}
+    fp8 = [(t, json.loads(k)) for k, t in entry.get("candidates", {}).items() if json.loads(k)["path"] == "fp8"]
+    return {"path": won["path"], "config": min(fp8, key=lambda tc: tc[0])[1]["config"] if fp8 else {}}
+
+
+def gemm_table(tuned: dict | None) -> dict:
+    """tuned.json's fp8_gemm entries as `plugins.tuning.set_table` input {"NxK@B": {"path", "config"}}, B over the
+    power-of-two buckets of `tuning.m_bucket`: a tuned M covers the buckets above the next smaller tuned M up to
+    itself. Buckets above the largest tuned M stay out (the default config, logged once): a config tuned for few
+    tokens may not run more (a GEMV takes at most 8), and a build tunes up to its max_num_tokens anyway."""
+    from dsflash.plugins import tuning
+    per_shape: dict[tuple[int, int], dict[int, dict]] = {}
+    for e in (tuned or {}).get("entries", []):
+        if e["op"] == FP8_GEMM.name:
+            b = e["bucket"]
+            per_shape.setdefault((b["n"], b["k"]), {})[b["m"]] = _gemm_serve_entry(e)
+    pow2 = sorted({tuning.m_bucket(1 << i) for i in range(20)})
+    table = {}
+    for (n, k), by_m in per_shape.items():
+        tuned_ms = sorted(by_m)
+        for b in pow2:
+            m = next((t for t in tuned_ms if t >= b), None)
+            if m is not None:
+                table[tuning.key_str(n, k, b)] = by_m[m]
+    return table
 
 
 class TunedTable:

@@ -20,6 +20,8 @@ hopper (sm90):
                   `<base>.scale_f32` F32 [ceil(N/b), ceil(K/b)]: the block scales decoded to fp32 (Hopper has no
                   e8m0 conversion; the promotion FMA reads them directly; still exact powers of two).
                   `<base>.weight_bf16` BF16 [N, K] for BF16-cache-eligible weights (`bf16_cache_eligible`).
+                  (Measured on the H200, the FP8 GEMM/GEMV kernels read the plain [N, K] codes + e8m0 scales
+                  fastest (benchmarks/README.md), so today the engine loader untiles these at load time.)
     experts fp4   Marlin-style tiles for the MXFP4-weight × BF16-activation MoE kernel (formats.py
                   `marlin_pack_mxfp4`): `<base>.weight_packed` I32 [N/32, K/32, 128]: tile (i, j) = rows 32i.., K
                   32j.. (one MX group) as 32 lanes × 4 int32 words in the B-fragment order of mma.m16n8k16, nibbles

@@ -367,6 +367,11 @@ PRESETS = {
     ("v41", "tiny-wide"): lambda: _tiny_v41(hidden_size=256, num_attention_heads=8, o_groups=4, sliding_window=64,
                                             n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
                                             q_lora_rank=128, index_n_heads=8),
+    # mid-size V4.1 for the GPU plugin checks: kernel-relevant widths (D 1024, 32 experts of 512, 16 heads) at ~1 GB
+    ("v41", "mid"): lambda: _tiny_v41(hidden_size=1024, num_attention_heads=16, o_groups=4, o_lora_rank=256,
+                                      q_lora_rank=384, sliding_window=128, index_n_heads=16, index_topk=64,
+                                      n_routed_experts=32, num_experts_per_tok=6, moe_intermediate_size=512,
+                                      dspark_n_routed_experts=8, dspark_markov_rank=64),
     ("v4", "full"): _full_v4,
     ("v4", "tiny"): _tiny_v4,
     # second tiny V4: two SWA layers first (as the real schedule), wider dims, window 64, 3 hash layers

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
                                       apply_rope, local_slice, rope_inv_freq, sink_attention, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
@@ -221,6 +222,7 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, self.ratio, numerics, dtype) if self.kv_source == layer else None
         self.indexer = (Indexer(args, layer, numerics, mapping, comm, dtype) if self.index_source == layer
                         else None)
+        self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
 
     # -- shared pieces -------------------------------------------------------------------------------------------
     def _query(self, x, positions, inv):
@@ -234,6 +236,12 @@ class Attention(nn.Module):
 
     def _output(self, q, keys, allowed, positions, inv):
         o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        if self.fused_wo_a:   # inverse RoPE + grouped projection in one kernel
+            b, s = o.shape[:2]
+            cos, sin = dispatch.rope_cos_sin(positions.expand(b, s), inv)
+            z = dispatch.ops().wo_a(o.reshape(b * s, *o.shape[2:]).to(torch.bfloat16).contiguous(), cos, sin,
+                                    self.wo_a.weight)
+            return self.wo_b(z.view(b, s, -1).to(o.dtype))
         o = apply_rope(o, positions, inv, inverse=True)  # V carried RoPE: undo the query's rotation
         return self.wo_b(self.wo_a(o.flatten(-2).unflatten(-1, (self.g_local, -1))))
 

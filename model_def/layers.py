@@ -116,10 +116,14 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.numerics, self.quant = in_features, out_features, numerics, quant
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.float32)) if bias else None
+        self.plugin: nn.Module | None = None   # dispatch.FP8Linear, attached by an engine loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.numerics.act_in(x, self.quant is not None)
-        y = F.linear(x.to(self.weight.dtype), self.weight)
+        if self.plugin is not None:
+            y = self.plugin(x).to(self.weight.dtype)
+        else:
+            x = self.numerics.act_in(x, self.quant is not None)
+            y = F.linear(x.to(self.weight.dtype), self.weight)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

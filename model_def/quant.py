@@ -46,7 +46,7 @@ def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     byte = scale.view(torch.uint8) if scale.dtype == E8M0 else scale.to(torch.uint8)
     if bool((byte == 255).any()):
         raise ValueError("e8m0 scale holds the NaN encoding 0xFF")
-    return torch.ldexp(torch.ones(byte.shape, dtype=torch.float32), byte.to(torch.int32) - 127)
+    return torch.ldexp(torch.ones(byte.shape, dtype=torch.float32, device=byte.device), byte.to(torch.int32) - 127)
 
 
 # -- element rounding -------------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 codes (bit 3 = sign) of x rounded to nearest-even, saturating at ±6. uint8."""
     xf = x.float()
     a = xf.abs().clamp(max=FP4_MAX)
-    idx = torch.zeros(a.shape, dtype=torch.int32)
+    idx = torch.zeros(a.shape, dtype=torch.int32, device=a.device)
     for k, b in enumerate(_E2M1_MIDPOINTS):
         idx += (a > b).to(torch.int32)
         if k % 2 == 1:  # a tie between codes k and k+1 goes to the even code k+1
@@ -74,7 +74,7 @@ def _e2m1_table() -> torch.Tensor:
 
 
 def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
-    return _e2m1_table()[code.long()]
+    return _e2m1_table().to(code.device)[code.long()]
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:

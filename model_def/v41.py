@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def import dspark, engram
+from dsflash.model_def import dispatch, dspark, engram
 from dsflash.model_def.csa2 import Attention, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, wide)
@@ -170,9 +170,15 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(args.hidden_size, inter // moe_tp, numerics, "fp4",
                                                      args.swiglu_limit, dtype) for e in owned})
         self.shared_experts = Expert(args.hidden_size, inter // tp, numerics, "fp8", args.swiglu_limit, dtype)
+        self.plugin: nn.Module | None = None   # dispatch.MXFP4MoE, attached by an engine loader
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if self.plugin is not None:
+            if image_mask is None:
+                y = self.plugin(flat, self.gate.weight, self.gate.bias, self.shared_experts(flat))
+                return self.comm.all_reduce(y).to(x.dtype).view(x.shape)
+            dispatch.warn_once("moe-image", "MoE plugin: image tokens (bias_vl routing) run the reference MoE")
         w, idx = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         y = wide(torch.zeros(flat.shape, dtype=x.dtype, device=x.device))
         for e in idx.unique().tolist():           # ascending expert id, as the reference loop
@@ -204,6 +210,7 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.hc_plugin: nn.Module | None = None   # dispatch.FusedHC, attached by an engine loader
 
     def _mix(self, X: torch.Tensor, site: str):
         return hc_mix(X.flatten(-2), getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
@@ -213,11 +220,34 @@ class Block(nn.Module):
         """X [B,S,n,D], pre [B,S,n] (from the previous site) -> (X', this block's FFN-site pre).
 
         `attend(x [B,S,D]) -> [B,S,D]` runs the attention (target chunk or draft block)."""
+        if self.hc_plugin is not None:
+            return self._forward_fused_hc(X, pre, attend, image_mask)
         a_pre, a_post, a_comb = self._mix(X, "attn")
         X = hc_expand(X, attend(self.attn_norm(hc_collapse(X, pre))), a_post, a_comb)
         f_pre, f_post, f_comb = self._mix(X, "ffn")
         X = hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), image_mask), f_post, f_comb)
         return X, f_pre
+
+    def _forward_fused_hc(self, X, pre, attend, image_mask):
+        """The same block with the mHC plugin: coefficients, collapse + norm, and the attention site's expand fused
+        with the FFN site's (lagged) collapse + norm."""
+        op, hc = dispatch.ops(), self.hc_plugin
+        b, s, n, d = X.shape
+        Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
+
+        def mix(Xt, site):
+            return op.hc_mix(Xt.view(b * s, n * d), getattr(self, f"hc_{site}_fn"), getattr(hc, f"{site}_split"),
+                             getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters,
+                             self.hc_eps, self.norm_eps)
+
+        a_pre, a_post, a_comb = mix(Xf, "attn")
+        x = op.hc_pre(Xf, pre.reshape(b * s, n).float().contiguous(), self.attn_norm.weight, self.norm_eps)
+        fx = attend(x.view(b, s, d).to(X.dtype)).reshape(b * s, d).to(torch.bfloat16).contiguous()
+        Xf, x = op.hc_post_pre(Xf, fx, a_post, a_comb, a_pre, self.ffn_norm.weight, self.norm_eps)
+        f_pre, f_post, f_comb = mix(Xf, "ffn")
+        fx = self.ffn(x.view(b, s, d).to(X.dtype), image_mask).reshape(b * s, d).to(torch.bfloat16).contiguous()
+        Xf = op.hc_post(Xf, fx, f_post, f_comb)
+        return Xf.view(b, s, n, d).to(X.dtype), f_pre.view(b, s, n)
 
 
 def one_hot_pre(shape, n: int, device) -> torch.Tensor:

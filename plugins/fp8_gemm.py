@@ -6,6 +6,7 @@ The kernel is written over a generic (P, Q) pair so one body serves both orienta
 prefill and swap-AB (P = W, Q = A, output written transposed) for decode, where the weight rows fill the MMA's
 M = 64/128 side and the few tokens the N = 16..64 side. Operand tiles come by TMA (host tensor descriptors: no
 per-element pointers in registers); split-K writes fp32 partials that a second kernel sums in a fixed order.
+`gemv` configs (M <= 8) dispatch to the CUDA-core GEMV of fp8_gemv.py instead.
 Imports Triton: load this module lazily.
 """
 from __future__ import annotations
@@ -131,8 +132,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] e8m0|fp32 contiguous; K % 32 == 0.
     (Measured on the H200: fp32 weight scales, which Triton streams by cp.async, did not speed up decode and made
     the large-M FP8-MMA configs 1.4-1.9× slower than the 1-byte e8m0 scales; keep e8m0.)
-    config: tiles (default: tuning.get_config(N, K, M)); out: optional BF16 [M, N] contiguous;
-    w_tiled: tile_weight(w_q, config), required by (and only used with) a `tiled_w` config.
+    config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead;
+    out: optional BF16 [M, N] contiguous; w_tiled: tile_weight(w_q, config), required by (and only used with) a
+    `tiled_w` config.
     """
     assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
@@ -146,6 +148,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     assert tuple(w_s.shape) == (-(-n // QBLOCK), k // QBLOCK) and w_s.is_contiguous(), (tuple(w_s.shape), n, k)
     assert a_q.device == w_q.device == a_s.device == w_s.device
     cfg = config or tuning.get_config(n, k, m)
+    if cfg.gemv:   # CUDA-core split-K GEMV for M <= 8 (fp8_gemv.py); w_tiled is not used
+        from dsflash.plugins.fp8_gemv import fp8_gemv
+        return fp8_gemv(a_q, a_s, w_q, w_s, cfg, out=out)
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
     assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16

@@ -7,6 +7,7 @@ Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.regis
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -97,6 +98,32 @@ def bf16_cache_gemm(x: Tensor, w_bf16: Tensor) -> Tensor:
 @bf16_cache_gemm.register_fake
 def _(x, w_bf16):
     return x.new_empty((*x.shape[:-1], w_bf16.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsflash::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None) -> Tensor:
+    """A group-32 FP8 linear in deploy numerics: x bf16 [M, K] -> FP8 1×32 quantize -> GEMM -> bf16 [M, N].
+
+    The tuned table (`tuning.lookup`, filled from the engine's tuned.json) picks, per (N, K, M bucket), the FP8
+    GEMM with its tile config or the BF16-cache GEMM on `w_bf16` (when the engine holds one); a shape missing
+    from the table uses the default FP8 config and is logged once."""
+    if x.is_cuda:
+        from dsflash.plugins import tuning
+        from dsflash.plugins.act_quant import act_quant as quant
+        from dsflash.plugins.fp8_gemm import bf16_cache_gemm, fp8_gemm as gemm
+        n, k = w_q.shape
+        path, cfg = tuning.lookup(n, k, x.shape[0])
+        if path == "bf16cache" and w_bf16 is not None:
+            return bf16_cache_gemm(x, w_bf16)
+        if cfg.tiled_w:   # engines hold the plain [N, K] weight, not the per-config re-tiled copy
+            cfg = dataclasses.replace(cfg, tiled_w=False)
+        return gemm(*quant(x, "e8m0"), w_q, w_s, cfg)
+    return refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s)
+
+
+@fp8_linear.register_fake
+def _(x, w_q, w_s, w_bf16=None):
+    return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
 
 # -- mHC --------------------------------------------------------------------------------------------------------------
@@ -252,5 +279,5 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-OPS = ("act_quant", "rmsnorm_act_quant", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "hc_mix", "hc_pre",
-       "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")
+OPS = ("act_quant", "rmsnorm_act_quant", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix",
+       "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")

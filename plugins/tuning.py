@@ -26,6 +26,10 @@ class GemmConfig:
     operands to BF16 in registers and accumulate on BF16 tensor cores instead of FP8 MMA + per-32 promotion (same
     numerics: every product is exact, accumulation fp32); kgroups: 32-blocks per iteration (dequant_bf16 only);
     tiled_w: the weight was re-laid by `fp8_gemm.tile_weight` at build time so each TMA box is contiguous.
+    gemv (M <= 8): the CUDA-core split-K GEMV of `fp8_gemv` instead of the MMA kernel, in the swap-AB orientation
+    (weight rows on P): block_p weight rows per program (a power of two <= 32, so a tile shares one 32-row scale
+    block), block_q the most tokens it takes (<= 8), block_k the K per loop iteration, split_k K slices reduced in
+    the same launch, num_warps, num_stages; group_p, kgroups, dequant_bf16 and tiled_w keep their defaults.
     """
     block_p: int = 128
     block_q: int = 128
@@ -37,8 +41,21 @@ class GemmConfig:
     group_p: int = 8
     kgroups: int = 1
     tiled_w: bool = False
+    gemv: bool = False
+    block_k: int = 0
 
     def __post_init__(self) -> None:
+        if self.gemv:
+            bp, bq, bk = self.block_p, self.block_q, self.block_k
+            assert 1 <= bp <= 32 and bp & (bp - 1) == 0, f"gemv block_p={bp} must be a power of two <= 32"
+            assert 1 <= bq <= 8 and bq & (bq - 1) == 0, f"gemv block_q={bq} (tokens) must be a power of two <= 8"
+            assert 64 <= bk <= 4096 and bk & (bk - 1) == 0, f"gemv block_k={bk} must be a power of two in [64, 4096]"
+            assert bp * bk <= 32 * 1024, f"gemv tile {bp}x{bk} holds too many registers"
+            assert self.split_k >= 1 and self.num_stages >= 1 and self.num_warps in (1, 2, 4, 8), self
+            assert self.swap_ab and not (self.dequant_bf16 or self.tiled_w) and self.kgroups == 1, \
+                "gemv configs are swap-AB and take no other MMA-path options"
+            return
+        assert self.block_k == 0, "block_k is a gemv field"
         for f in ("block_p", "block_q"):
             v = getattr(self, f)
             assert v >= 16 and v & (v - 1) == 0, f"{f}={v} must be a power of two >= 16"
@@ -57,6 +74,8 @@ class GemmConfig:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def tag(self) -> str:
+        if self.gemv:
+            return f"G{self.block_p}x{self.block_q}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
         return (f"{'T' if self.swap_ab else 'N'}{self.block_p}x{self.block_q}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{f'_dq{self.kgroups}' if self.dequant_bf16 else ''}"
                 f"{'_tw' if self.tiled_w else ''}")
@@ -96,6 +115,30 @@ def default_config(n: int, k: int, m: int) -> GemmConfig:
     return GemmConfig(128, 64, _split_for(_cdiv(m, 128) * _cdiv(n, 64), kb, target=NUM_SMS), 4, 6)
 
 
+# The CUDA-core GEMV candidates (M <= 8): (block_p, block_k, num_warps, programs aimed at). Measured on the H200
+# (fp8_gemv.py's docstring): they beat the MMA default at M = 1-2 (up to 81 % of copy bandwidth), tie or win
+# slightly at M = 4, and lose at M = 8 (FFMA-bound), where the tuner keeps the MMA configs. st1 (no cp.async
+# pipelining) was as fast or faster than 3 stages everywhere, so num_stages = 1.
+GEMV_MAX_M = 8
+_GEMV_SPACE = ((32, 256, 4, 4 * NUM_SMS), (16, 1024, 8, 2 * NUM_SMS), (8, 512, 1, 4 * NUM_SMS),
+               (8, 1024, 2, 4 * NUM_SMS), (4, 1024, 2, 4 * NUM_SMS), (8, 2048, 4, 4 * NUM_SMS),
+               (4, 2048, 4, 4 * NUM_SMS))
+
+
+def _gemv_split(tiles: int, k_iters: int, target: int, max_split: int = 16) -> int:
+    """K slices for about `target` programs (the reduction is fused, so one iteration per slice is fine)."""
+    if tiles >= target // 2:
+        return 1
+    return max(1, min(_cdiv(target, tiles), k_iters, max_split))
+
+
+def gemv_candidates(n: int, k: int) -> list[GemmConfig]:
+    """The `gemv` configs tried for M <= 8 (block_q = 8 tokens at most)."""
+    return [GemmConfig(bp, GEMV_MAX_M, _gemv_split(_cdiv(n, bp), _cdiv(k, bk), target), warps, 1, swap_ab=True,
+                       gemv=True, block_k=bk)
+            for bp, bk, warps, target in _GEMV_SPACE]
+
+
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
     """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first."""
     kb = _cdiv(k, 32)
@@ -119,6 +162,8 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                 stages = min(stages, 3)
             out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), _cdiv(kb, kg)), 4, stages, swap_ab=True,
                                   dequant_bf16=dq, kgroups=kg, tiled_w=True))
+        if m <= GEMV_MAX_M:
+            out += gemv_candidates(n, k)
     else:
         for cfg in (GemmConfig(128, 128, 1, 8, 4), GemmConfig(64, 128, 1, 4, 6),
                     GemmConfig(128, 256, 1, 8, 3, dequant_bf16=True, kgroups=2),

@@ -93,7 +93,16 @@ def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: i
     return max(1, min(-(-target // tiles), max(1, k_iters // 2), max_split))
 
 
-def default_config(t: int, rows: int, kg: int) -> WoAConfig:
+def _rows_tile(r: int, want: int = 128) -> int:
+    """The largest power-of-two weight-row tile <= want dividing the rows of one group (tiles stay in a group)."""
+    bp = want
+    while bp > 16 and r % bp:
+        bp //= 2
+    assert r % bp == 0, f"rows per group {r} need a multiple of 16"
+    return bp
+
+
+def default_config(t: int, rows: int, kg: int, r: int | None = None) -> WoAConfig:
     """Decode (T <= 16): 128 weight rows × 16 tokens per tile, 128 K per TMA box, 4 stages, split-K up to ~2 programs
     per SM. Larger T: 64-token tiles with 64 K per box (the pipelined activation, its pair swap and cos/sin then fit
     3 stages in shared memory)."""
@@ -101,16 +110,18 @@ def default_config(t: int, rows: int, kg: int) -> WoAConfig:
         bq, bk, st = 16, (128 if kg % 128 == 0 else 64), 4
     else:
         bq, bk, st = 64, 64, 3
-    tiles = (rows // 128) * -(-t // bq)
-    return WoAConfig(128, bq, bk, _split_for(tiles, kg // bk), st, 4)
+    bp = _rows_tile(rows if r is None else r)
+    tiles = (rows // bp) * -(-t // bq)
+    return WoAConfig(bp, bq, bk, _split_for(tiles, kg // bk), st, 4)
 
 
-def candidates(t: int, rows: int, kg: int) -> list[WoAConfig]:
-    d = default_config(t, rows, kg)
+def candidates(t: int, rows: int, kg: int, r: int | None = None) -> list[WoAConfig]:
+    """r: weight rows per group (o_lora_rank; default `rows`): row tiles must divide it."""
+    d = default_config(t, rows, kg, r)
     out = [d]
     if t <= 16:   # the default holds ~196 KB of shared memory (1 program per SM); these fit 2 per SM
         for bp, bk, st in ((64, 128, 4), (128, 64, 6), (128, 64, 4), (64, 128, 3)):
-            if kg % bk == 0:
+            if kg % bk == 0 and (rows if r is None else r) % bp == 0:
                 tiles = (rows // bp) * -(-t // d.block_q)
                 out.append(WoAConfig(bp, d.block_q, bk, _split_for(tiles, kg // bk), st, 4))
     return list(dict.fromkeys(out))
@@ -146,7 +157,7 @@ def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
     assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
     rd = 2 * cos.shape[1]
     assert 0 < rd <= d and rd % 2 == 0
-    cfg = config or default_config(t, rows, kg)
+    cfg = config or default_config(t, rows, kg, r)
     assert r % cfg.block_p == 0 and kg % cfg.block_k == 0, (cfg, r, kg)
     out = torch.empty((t, rows), dtype=torch.bfloat16, device=o.device)
     if t == 0:

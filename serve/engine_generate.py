@@ -28,7 +28,8 @@ def _run_ranks(engine_dir: str, input_ids: list[int], max_new_tokens: int) -> li
     if any(not 0 <= t < vocab for t in input_ids):
         raise ValueError(f"input ids must lie in [0, {vocab})")
     with torch.no_grad():
-        out = model.generate_greedy(torch.tensor([input_ids]), max_new_tokens)[0, len(input_ids):].tolist()
+        ids = torch.tensor([input_ids], device=model.head.weight.device)   # a GPU engine's model lives on its GPU
+        out = model.generate_greedy(ids, max_new_tokens)[0, len(input_ids):].tolist()
     return out if rank == 0 else None
 
 

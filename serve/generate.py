@@ -50,7 +50,8 @@ def speculative_generate_from_model(model, cfg, input_ids: list[int], max_new_to
     """-> (new tokens, SpecResult.report() dict)."""
     from dsflash.serve.spec_decode import speculative_generate
     _check_ids(input_ids, model.args.vocab_size)
-    res = speculative_generate(model, torch.tensor([input_ids]), max_new_tokens, cfg)
+    res = speculative_generate(model, torch.tensor([input_ids], device=model.head.weight.device), max_new_tokens,
+                               cfg)
     return res.tokens[0].tolist(), res.report()
 
 

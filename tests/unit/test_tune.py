@@ -1,9 +1,18 @@
-"""Build-time tuning: best config recorded with its measurements; lookups fall back visibly, once."""
+"""Build-time tuning: best config recorded with its measurements; lookups fall back visibly, once; the FP8 GEMM's
+shapes, skips on machines without the engine's GPU, and the serve-side table."""
 import logging
 
+import pytest
 import torch
 
-from dsflash.build.tune import LM_HEAD, TunableOp, TunedTable, m_bucket, tune
+from dsflash.build import tune as tune_mod
+from dsflash.build.gemm_shapes import dense_gemm_shapes
+from dsflash.build.plan import BuildConfig
+from dsflash.build.tune import FP8_GEMM, LM_HEAD, TUNABLE_OPS, TunableOp, TunedTable, gemm_table, m_bucket, tune
+from dsflash.model_def.config import get_preset
+from dsflash.model_def.mapping import Mapping
+from dsflash.model_def.names import tensor_table
+from dsflash.plugins import tuning
 from dsflash.plugins.lm_head import chunked_lm_head, lm_head_ref
 
 
@@ -35,3 +44,154 @@ def test_lookup_falls_back_and_logs_once(caplog):
 
 def test_m_buckets():
     assert [m_bucket(m) for m in (1, 2, 8, 9, 5000)] == [1, 8, 8, 64, 4096]
+
+
+# -- fp8_gemm: shapes, skip on machines without the target GPU, failures, the serve table --------------------------
+def _engine(family="v41", tp=1, arch="sm90", layout="hopper", **build) -> dict:
+    """An engine.json dict as build/engine.py writes it (no weights needed)."""
+    return {"model": get_preset(family, "tiny").to_hf_dict(), "mapping": Mapping(world_size=tp, tp_size=tp).to_dict(),
+            "build_config": BuildConfig(**build).__dict__, "arch": arch, "layout": layout,
+            "expert_dtype": "fp4"}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dense_gemm_shapes_v41(tp):
+    a = get_preset("v41", "tiny")
+    D, q, H, d, ih, hd, I = (a.hidden_size, a.q_lora_rank, a.num_attention_heads, a.head_dim, a.index_n_heads,
+                             a.index_head_dim, a.moe_intermediate_size)
+    table = {e.name: e.shape for e in tensor_table(a)}
+    engram, main = table["layers.1.engram.wkv.weight"], table["mtp.0.main_proj.weight"]  # replicated
+    layers = {(q, D), (H * d // tp, q), (d, D), (D, a.o_groups * a.o_lora_rank // tp), (I // tp, D), (D, I // tp),
+              (ih * hd // tp, q), engram}  # wq_a, wq_b, wkv, wo_b, shared w1/w3, w2, indexer wq_b, engram wkv
+    shapes = dense_gemm_shapes(_engine(tp=tp))
+    assert {(s["n"], s["k"]) for s in shapes} == layers | {main}
+    assert len(shapes) == len(layers | {main})  # distinct
+    # every layers.* shape has BF16 copies; the DSpark main_proj (mtp.* only) has none
+    assert {(s["n"], s["k"]) for s in shapes if s["bf16_cache"]} == layers
+    names = {n for s in shapes for n in s["names"]}
+    assert "layers.0.attn.wq_b.weight" in names and "mtp.0.attn.wq_b.weight" in names
+    assert not any(n.endswith("attn.wo_a.weight") for n in names)  # run by the WO-A plugin, not as a linear
+    (wq_b,) = [s for s in shapes if "layers.0.attn.wq_b.weight" in s["names"]]
+    assert (wq_b["n"], wq_b["k"]) == (H // tp * d, q)
+
+
+def test_dense_gemm_shapes_other_layouts_and_families():
+    assert dense_gemm_shapes(_engine(family="v4")) == []  # 128×128 blocks: not the group-32 kernel's format
+    ref = dense_gemm_shapes(_engine(arch="cpu", layout="reference"))
+    assert ref and not any(s["bf16_cache"] for s in ref)  # only hopper engines hold BF16 copies
+
+
+def test_fp8_gemm_buckets_and_candidates():
+    assert FP8_GEMM in TUNABLE_OPS["sm90"] and FP8_GEMM not in TUNABLE_OPS["cpu"]
+    eng = _engine(max_num_tokens=100)
+    shapes = dense_gemm_shapes(eng)
+    buckets = FP8_GEMM.buckets(eng)
+    assert len(buckets) == 3 * len(shapes) and {b["m"] for b in buckets} == {1, 8, 64}
+    assert {b["m"] for b in FP8_GEMM.buckets(_engine(max_num_tokens=1))} == {1}
+    for b in buckets[:len(shapes)]:
+        cands = FP8_GEMM.candidates(b)
+        fp8 = [c for c in cands if c["path"] == "fp8"]
+        # every candidate an engine can run: not the `tiled_w` ones (engines hold the plain [N, K] weight)
+        want = [c for c in tuning.candidates(b["n"], b["k"], b["m"]) if not c.tiled_w]
+        assert [tuning.GemmConfig.from_dict(c["config"]) for c in fp8] == want and want
+        assert ({"path": "bf16cache"} in cands) == b["bf16_cache"]
+
+
+def test_sm90_engine_on_cpu_machine_skips_fp8_gemm_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
+        data = tune(_engine(), "sm90")
+    assert data["skipped"] == [{"op": "fp8_gemm", "reason": data["skipped"][0]["reason"]}]
+    assert "without an sm90 GPU" in data["skipped"][0]["reason"]
+    assert {e["op"] for e in data["entries"]} == {"lm_head"}  # CPU-timed ops still tune
+    msgs = [r.getMessage() for r in caplog.records if "fp8_gemm not tuned" in r.getMessage()]
+    assert len(msgs) == 1 and "serve will use the default configs" in msgs[0]
+    assert gemm_table(data) == {}  # serve: every shape falls back to the default, logged by tuning.lookup
+
+
+def test_wrong_gpu_arch_is_not_tuned(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    assert "sm80" in tune_mod._cannot_measure(FP8_GEMM, "sm90")
+    assert tune_mod._cannot_measure(LM_HEAD, "sm90") is None
+
+
+def _raise(msg):
+    raise RuntimeError(msg)
+
+
+def test_tune_records_failed_candidates_without_crashing(caplog):
+    def make(bucket, cfg):
+        if cfg["c"] == "bad-make":
+            _raise("compile error")
+        if cfg["c"] == "bad-run" or bucket["m"] == 2:
+            return lambda: _raise("launch error")
+        return lambda: None
+    op = TunableOp("toy", lambda eng: [{"m": 1}, {"m": 2}],
+                   lambda b: [{"c": "bad-make"}, {"c": "bad-run"}, {"c": "ok"}], make, {"c": "ok"})
+    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
+        data = tune({"model": {}}, "cpu", [op])
+    (entry,) = data["entries"]
+    assert entry["bucket"] == {"m": 1} and entry["config"] == {"c": "ok"} and list(entry["candidates"]) == ['{"c": "ok"}']
+    assert set(entry["failed"]) == {'{"c": "bad-make"}', '{"c": "bad-run"}'}
+    assert "compile error" in entry["failed"]['{"c": "bad-make"}']
+    assert data["skipped"] == [{"op": "toy", "reason": "every candidate failed", "buckets": [{"m": 2}]}]
+
+
+def test_time_budget_skips_the_remaining_buckets(caplog):
+    op = TunableOp("toy", lambda eng: [{"m": 1}, {"m": 8}], lambda b: [{"c": 1}], lambda b, c: (lambda: None), {"c": 1})
+    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
+        data = tune({"model": {}, "build_config": {"tune_budget_s": 0}}, "cpu", [op])
+    assert data["entries"] == []
+    assert data["skipped"] == [{"op": "toy", "reason": "time budget spent", "buckets": [{"m": 1}, {"m": 8}]}]
+    assert any("budget" in r.getMessage() and "'m': 8" in r.getMessage() for r in caplog.records)
+
+
+def _gemm_entry(n, k, m, won, timed):
+    """A tuned.json fp8_gemm entry; timed: [(candidate, time_us)]."""
+    return {"op": "fp8_gemm", "bucket": {"n": n, "k": k, "m": m, "bf16_cache": True}, "config": won,
+            "time_us": min(t for _, t in timed), "candidates": {tune_mod._key(c): t for c, t in timed}}
+
+
+def test_gemm_table_expands_tuned_buckets_to_pow2():
+    fast, slow = tuning.GemmConfig(64, 16, 2, 4, 6, swap_ab=True), tuning.default_config(512, 64, 1)
+    f8_fast, f8_slow = {"path": "fp8", "config": fast.to_dict()}, {"path": "fp8", "config": slow.to_dict()}
+    bf = {"path": "bf16cache"}
+    tuned = {"entries": [
+        _gemm_entry(512, 64, 1, f8_fast, [(f8_fast, 3.0), (f8_slow, 4.0), (bf, 5.0)]),
+        _gemm_entry(512, 64, 8, f8_slow, [(f8_slow, 3.0), (bf, 5.0)]),
+        _gemm_entry(512, 64, 64, bf, [(f8_slow, 9.0), (f8_fast, 8.0), (bf, 5.0)]),
+        {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}]}
+    table = gemm_table(tuned)
+    covered_by = {1: 1, 2: 8, 4: 8, 8: 8, 16: 64, 32: 64, 64: 64}
+    # buckets above the largest tuned M are left to the default config (logged): a small-M config may not run them
+    assert set(table) == {f"512x64@{b}" for b in covered_by}
+    for b, m in covered_by.items():
+        assert table[f"512x64@{b}"] == table[f"512x64@{m}"]
+    assert table["512x64@1"] == {"path": "fp8", "config": fast.to_dict()}
+    assert table["512x64@4"] == {"path": "fp8", "config": slow.to_dict()}
+    # a BF16-cache winner carries the fastest FP8 config, for same-shape linears without a BF16 copy
+    assert table["512x64@64"] == {"path": "bf16cache", "config": fast.to_dict()}
+    try:
+        tuning.set_table(table)
+        assert tuning.lookup(512, 64, 3) == ("fp8", slow)
+        assert tuning.lookup(512, 64, 40) == ("bf16cache", fast)
+        assert tuning.lookup(512, 64, 5000) == ("fp8", tuning.default_config(512, 64, 5000))
+    finally:
+        tuning.set_table(None)
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_tunes_on_the_gpu():
+    """On an sm90 GPU: every bucket gets an entry whose winner ran and verified, and the serve table covers it."""
+    eng = _engine(max_num_tokens=64)
+    if tune_mod._cannot_measure(FP8_GEMM, "sm90"):
+        pytest.skip(tune_mod._cannot_measure(FP8_GEMM, "sm90"))
+    data = tune(eng, "sm90", [FP8_GEMM])
+    assert data["skipped"] == []
+    buckets = FP8_GEMM.buckets(eng)
+    assert [e["bucket"] for e in data["entries"]] == buckets
+    for e in data["entries"]:
+        assert 0 < e["time_us"] < float("inf") and e["time_us"] == min(e["candidates"].values())
+    table = gemm_table(data)
+    assert len(table) == 13 * len(dense_gemm_shapes(eng))

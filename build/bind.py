@@ -1,0 +1,223 @@
+"""Attach the plugin kernels an engine selects (engine.json `plugins`) to a loaded reference model.
+
+`load_engine_model` reads each rank tensor once: the dequantized value fills the reference parameter, and for the
+ops bound here the tensors in the format the kernel reads are kept as well (FP8 codes + e8m0 block scales, the
+BF16-cache copy, stacked MXFP4 experts, split mHC weights). What cannot run a plugin runs its reference and the log
+says so once; nothing silently changes numerics.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from dsflash.model_def import dispatch
+from dsflash.model_def.csa2 import Attention
+from dsflash.model_def.layers import Linear
+
+log = logging.getLogger("dsflash.bind")
+
+GEMM_BLOCK = 32   # the FP8 GEMM kernel's weight block (V4.1); V4's 128×128 blocks keep the reference
+
+
+def resolve_plugins(engine_plugins: dict, override: str | dict | None) -> dict:
+    """engine.json's selection, or an override: "reference" for all ops, or {op: impl}."""
+    if override is None:
+        chosen = dict(engine_plugins)
+    elif override == dispatch.REFERENCE:
+        chosen = {op: dispatch.REFERENCE for op in engine_plugins}
+    else:
+        chosen = {**engine_plugins, **override}
+    for op, impl in chosen.items():
+        if op not in dispatch.PLUGIN_IMPLS or impl not in dispatch.PLUGIN_IMPLS[op]:
+            allowed = {k: list(v) for k, v in dispatch.PLUGIN_IMPLS.items()}
+            raise ValueError(f"plugin {op}={impl!r} is not known; choices: {allowed}")
+    return chosen
+
+
+def wants_kernel_format(plugins: dict, args, entry) -> bool:
+    """Whether the loader must keep this entry's quantized tensors for a plugin."""
+    if entry.role == "fp8_block":
+        return plugins.get("gemm") == "fp8_gemm" and args.weight_block == GEMM_BLOCK
+    if entry.role == "mxfp4":
+        return plugins.get("moe") == "mxfp4"
+    return False
+
+
+def _fp8_linears(model):
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.quant == "fp8":
+            yield name, mod
+
+
+def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Tensor]], inter_local: int,
+                 ep_size: int) -> dict[str, int]:
+    """Attach plugins to `model` in place; `kept[entry name]` = {"q", "s"(, "bf16")} from the engine.
+    Returns how many sites each op bound."""
+    import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
+    from dsflash.plugins.refs import hc_split_weight
+    if not model.numerics.deploy:
+        raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
+    bound = {op: 0 for op in plugins}
+    if plugins.get("gemm") == "fp8_gemm":
+        for name, lin in _fp8_linears(model):
+            t = kept.get(f"{name}.weight")
+            if t is None:   # an entry without kernel-format tensors (e.g. V4's 128×128 blocks): counted below
+                continue
+            lin.plugin = dispatch.FP8Linear(t["q"], t["s"], t.get("bf16"))
+            bound["gemm"] += 1
+    if plugins.get("moe") == "mxfp4":
+        bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size)
+    if plugins.get("mhc") == "fused":
+        for name, mod in model.named_modules():
+            if hasattr(mod, "hc_plugin"):
+                with torch.no_grad():
+                    mod.hc_plugin = dispatch.FusedHC(hc_split_weight(mod.hc_attn_fn), hc_split_weight(mod.hc_ffn_fn))
+                bound["mhc"] += 1
+    if plugins.get("wo_a") == "fused":
+        for mod in model.modules():
+            if isinstance(mod, Attention):
+                mod.wo_a.weight.data = mod.wo_a.weight.data.to(torch.bfloat16).contiguous()
+                mod.fused_wo_a = True
+                bound["wo_a"] += 1
+    for op, n in bound.items():
+        if n == 0 and plugins[op] != dispatch.REFERENCE:   # said once, never a silent reference
+            dispatch.warn_once(f"unbound:{op}", "plugin %s=%s bound no site of this model; it runs the reference",
+                               op, plugins[op])
+    log.info("plugins bound: %s", bound)
+    return bound
+
+
+def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
+    from dsflash.model_def.v41 import MoE
+    if ep_size > 1:   # the router kernel has no expert-range filter yet
+        dispatch.warn_once("moe-ep", "moe plugin: expert parallelism (moe_ep=%d) runs the reference MoE", ep_size)
+        return 0
+    if not args.norm_topk_prob:
+        dispatch.warn_once("moe-norm", "moe plugin: norm_topk_prob=false runs the reference MoE")
+        return 0
+    n = 0
+    for name, moe in model.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        ids = sorted(int(e) for e in moe.experts)
+
+        def stack(w: str, part: str) -> torch.Tensor:
+            return torch.stack([kept[f"{name}.experts.{e}.{w}.weight"][part] for e in ids])
+
+        w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
+        w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
+        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local,
+                                       moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit)
+        n += 1
+    return n
+
+
+# -- verification: every bound site against its reference on the activations a real forward produces ------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> list[dict]:
+    """Run `model.logits(input_ids)` once, capture the inputs of every site that has a plugin bound, then replay
+    each site with its plugin and with its reference on the same input: [{site, kind, rel}] (‖Δ‖/‖ref‖).
+
+    End-to-end token equality is not a usable check on random-weight models: deploy numerics (pow2-scaled FP8/FP4
+    quantizers, top-k routing and selection) amplify a 1e-5 relative perturbation into a 5-40 % logit change, so
+    two correct implementations that round differently disagree on most greedy tokens. Site replay isolates each
+    kernel, with the engine's real weights, shapes and activations."""
+    from dsflash.model_def.v41 import Block, MoE
+    captured, hooks = [], []
+    counts: dict[str, int] = {}
+
+    def keep(kind, name, mod, payload):
+        if counts.get(kind, 0) < max_per_kind and not any(c[1] == name for c in captured):
+            counts[kind] = counts.get(kind, 0) + 1
+            captured.append((kind, name, mod, payload))
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.plugin is not None:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("gemm", n, m, (a[0].detach().clone(),))))
+        elif isinstance(mod, MoE) and mod.plugin is not None:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("moe", n, m, (a[0].detach().clone(),))))
+        elif isinstance(mod, Block) and mod.hc_plugin is not None:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("mhc", n, m, (a[0].detach().clone(), a[1].detach().clone()))))
+        if isinstance(mod, Attention) and mod.fused_wo_a:
+            mod._output = _capturing(mod, mod._output, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
+    try:
+        with torch.no_grad():
+            model.logits(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for mod in model.modules():
+            if isinstance(mod, Attention) and "_output" in mod.__dict__:
+                del mod._output
+    return [{"site": name, "kind": kind, "rel": _replay(kind, mod, payload)} for kind, name, mod, payload in captured]
+
+
+def _capturing(mod, fn, record):
+    def wrapped(*a):
+        record(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in a))
+        return fn(*a)
+    return wrapped
+
+
+def _reference_copy(mod):
+    """The site's reference in fp32 ("deploy numerics in fp32", what the kernels' `*_ref` define): a copy with every
+    plugin detached. Comparing against the BF16 model instead would charge the kernels for the BF16 model's own
+    extra roundings (e.g. the expert intermediate, which the MoE kernel keeps in fp32)."""
+    ref = copy.deepcopy(mod)
+    for m in ref.modules():
+        for attr in ("plugin", "hc_plugin"):
+            if getattr(m, attr, None) is not None:
+                setattr(m, attr, None)
+        if getattr(m, "fused_wo_a", False):
+            m.fused_wo_a = False
+    return ref.float()
+
+
+def _f32(t):
+    return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+class _PassThrough(torch.nn.Module):
+    """Stands in for a nested site during a replay, so each replay measures one plugin (`zero`: contributes 0)."""
+
+    def __init__(self, zero: bool = False):
+        super().__init__()
+        self.zero = zero
+
+    def forward(self, x, *_):
+        return torch.zeros_like(x) if self.zero else x
+
+
+# nested sites neutralised per replayed kind: the FFN inside a block, wo_b after WO-A, the shared expert in the MoE
+_NESTED = {"mhc": ("ffn", False), "wo_a": ("wo_b", False), "moe": ("shared_experts", True)}
+
+
+def _replay(kind: str, mod, payload) -> float:
+    ref = _reference_copy(mod)
+    nested = _NESTED.get(kind)
+    if nested:
+        saved = getattr(mod, nested[0])
+        for m in (mod, ref):
+            setattr(m, nested[0], _PassThrough(nested[1]))
+    try:
+        with torch.no_grad():
+            if kind in ("gemm", "moe"):
+                return _rel(mod(payload[0]), ref(payload[0].float()))
+            if kind == "mhc":
+                X, pre = payload
+                got = mod(X, pre, lambda x: x, None)
+                want = ref(X.float(), pre.float(), lambda x: x, None)
+                return max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+            return _rel(mod._output(*payload), ref._output(*(_f32(t) for t in payload)))
+    finally:
+        if nested:
+            setattr(mod, nested[0], saved)

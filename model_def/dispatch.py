@@ -1,0 +1,98 @@
+"""Op dispatch: the one place where the model reaches the plugin kernels (design.md §2).
+
+A reference module runs plain PyTorch until an engine loader attaches a plugin to it (`build/bind.py`); the plugin
+modules below hold the tensors in the layout their kernel reads and call `torch.ops.dsflash.*`, which are
+registered by `dsflash.plugins.registry` (imported by whoever binds; model_def imports no plugin code). On CPU
+tensors the same ops run the plugins' plain-PyTorch `*_ref`, so the wiring is testable without a GPU.
+
+Which ops an engine binds is recorded in engine.json's `plugins` ({op: impl}); `PLUGIN_IMPLS` lists the choices.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("dsflash.dispatch")
+
+REFERENCE = "reference"
+PLUGIN_IMPLS = {
+    "gemm": (REFERENCE, "fp8_gemm"),     # group-32 FP8 dense linears: FP8 GEMM or BF16-cache GEMM, per tuned.json
+    "moe": (REFERENCE, "mxfp4"),         # router + MXFP4 routed experts + shared-expert add
+    "mhc": (REFERENCE, "fused"),         # mHC coefficients, collapse + norm, expand (+ next collapse + norm)
+    "wo_a": (REFERENCE, "fused"),        # inverse RoPE + grouped output projection
+    "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
+}
+_warned: set[str] = set()
+
+
+def ops():
+    """torch.ops.dsflash, with a clear message when nothing registered it."""
+    if not hasattr(torch.ops.dsflash, "fp8_linear"):
+        raise RuntimeError("dsflash plugin ops are not registered: import dsflash.plugins.registry before running a "
+                           "model with plugins bound (build.bind.bind_plugins does)")
+    return torch.ops.dsflash
+
+
+def warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> contiguous BF16 [T, K] (the kernels' activation format)."""
+    return x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+
+
+class FP8Linear(nn.Module):
+    """Plugin of a group-32 FP8 `Linear`: e4m3 [N, K] + e8m0 32×32 scales, and the BF16-cache copy when the engine
+    holds one; `dsflash::fp8_linear` picks the FP8 or the BF16-cache GEMM from the tuned table (logged fallback)."""
+
+    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, w_bf16: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("w_q", w_q.contiguous())
+        self.register_buffer("w_s", w_s.contiguous())
+        self.register_buffer("w_bf16", None if w_bf16 is None else w_bf16.to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16)   # [T, N] bf16
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class MXFP4MoE(nn.Module):
+    """Plugin of a V4.1 `MoE` (text tokens): router + routed MXFP4 experts + shared-expert add, one op.
+
+    w13_q int8 [E, 2·I_pad, D/2] (w1 rows, then w3), w13_s e8m0 [E, 2·I_pad, D/32], w2_q [E, D, I_pad/2],
+    w2_s [E, D, I_pad/32]; `inter` is the logical local intermediate width (padded columns are zero)."""
+
+    def __init__(self, w13_q, w13_s, w2_q, w2_s, inter: int, topk: int, route_scale: float, gate_temp: float,
+                 swiglu_limit: float):
+        super().__init__()
+        for name, t in (("w13_q", w13_q), ("w13_s", w13_s), ("w2_q", w2_q), ("w2_s", w2_s)):
+            self.register_buffer(name, t.contiguous())
+        self.inter, self.topk, self.route_scale = inter, topk, route_scale
+        self.gate_temp, self.swiglu_limit = gate_temp, swiglu_limit
+
+    def forward(self, flat: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor,
+                shared: torch.Tensor) -> torch.Tensor:
+        """flat [T, D], shared [T, D] (the shared expert's output) -> fp32 [T, D] before the TP all-reduce."""
+        return ops().moe(_flat(flat), gate_w, gate_bias, self.topk, self.route_scale, self.w13_q, self.w13_s,
+                         self.w2_q, self.w2_s, self.swiglu_limit, self.inter, shared, self.gate_temp)
+
+
+class FusedHC(nn.Module):
+    """Plugin of a block's two mHC sites: the fp32 mixing weights split into BF16 main + two correction terms
+    ([3, 32, n·D], `hc_split_weight`) for the tensor-core coefficient kernel."""
+
+    def __init__(self, attn_split: torch.Tensor, ffn_split: torch.Tensor):
+        super().__init__()
+        self.register_buffer("attn_split", attn_split.contiguous())
+        self.register_buffer("ffn_split", ffn_split.contiguous())
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rd/2] fp32 of positions [T] × inv_freq, taken in float64 as `layers.apply_rope` does."""
+    ang = positions.reshape(-1).to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return ang.cos().float().contiguous(), ang.sin().float().contiguous()

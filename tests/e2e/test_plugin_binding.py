@@ -1,0 +1,127 @@
+"""Plugins bound into a GPU (sm90) engine, exercised on the CPU through the ops' plain-PyTorch paths.
+
+`torch.ops.dsflash.*` run their `*_ref` on CPU tensors, so the binding itself — which sites get a plugin, the
+kernel-format tensors taken from the hopper layout (untiled FP8 + e8m0 scales, BF16-cache copies, Marlin-unpacked
+and stacked MXFP4 experts with padded widths, split mHC weights) — is proven here; the kernels on the H200
+(benchmarks/engine_plugins.py).
+"""
+import logging
+
+import pytest
+import torch
+
+from dsflash.build.bind import resolve_plugins, site_parity
+from dsflash.build.engine import default_plugins, load_engine_model, write_engine
+from dsflash.build.plan import BuildConfig
+from dsflash.convert.synth import synthesize
+from dsflash.convert.writer import convert
+from dsflash.model_def import get_preset
+from dsflash.model_def.mapping import Mapping
+
+
+@pytest.fixture(scope="module")
+def hopper_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plug")
+    hf = synthesize(get_preset("v41", "tiny"), root / "hf", seed=5)
+    convert(hf, root / "hop", "hopper", progress=False, log=lambda *a: None)
+    return root / "hop"
+
+
+@pytest.fixture(scope="module")
+def sm90_engine(hopper_ckpt):
+    return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                        BuildConfig(), progress=False)
+
+
+class PartialSums:
+    """One TP rank on its own: reductions are left out (plugin and reference then see the same partial sums)."""
+
+    def __init__(self, tp: int, rank: int):
+        self.tp_size, self.tp_rank = tp, rank
+
+    def all_reduce(self, x):
+        return x
+
+
+def test_gpu_engines_select_plugins_and_bf16():
+    assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
+    sm90 = default_plugins("sm90")
+    assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4" and sm90["mhc"] == "fused" and sm90["wo_a"] == "fused"
+    assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
+    with pytest.raises(ValueError, match="not a plugin op"):
+        BuildConfig(disable_plugins=["lm_head"])
+    with pytest.raises(ValueError, match="is not known"):
+        resolve_plugins(sm90, {"moe": "cutlass"})
+
+
+def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
+    with caplog.at_level(logging.INFO, logger="dsflash.bind"):
+        model, eng = load_engine_model(sm90_engine, check_arch=False)
+    assert eng.meta["build_config"]["dtype"] == "" and next(model.parameters()).dtype == torch.bfloat16
+    args = model.args
+    layers = args.n_layers + args.n_draft
+    bound = next(r for r in caplog.records if "plugins bound" in r.getMessage()).getMessage()
+    assert f"'moe': {layers}" in bound and f"'mhc': {layers}" in bound and f"'wo_a': {layers}" in bound
+    ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    rows = site_parity(model, ids)
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"gemm", "moe", "mhc", "wo_a"}
+    assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
+    # FP8 linears with a BF16-cache copy in the hopper layout carry it (main layers, not the drafter)
+    wq_b = model.layers[0].attn.wq_b.plugin
+    assert wq_b.w_bf16 is not None and model.mtp[0].attn.wq_b.plugin.w_bf16 is None
+    assert wq_b.w_q.dtype == torch.float8_e4m3fn and wq_b.w_s.dtype == torch.float8_e8m0fnu
+
+
+def test_site_parity_catches_a_wrong_binding(sm90_engine):
+    model, _ = load_engine_model(sm90_engine, check_arch=False)
+    moe = model.layers[2].ffn.plugin
+    moe.w2_q.copy_(moe.w2_q.roll(1, 0))             # experts' w2 shifted by one: a stacking bug
+    lin = model.layers[3].attn.wo_b.plugin
+    lin.w_s.view(torch.uint8)[0] += 1                # first 32 rows' scales doubled: a scale-layout bug
+    ids = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    bad = {r["site"] for r in site_parity(model, ids) if r["rel"] > 0.1}
+    assert {"layers.2.ffn", "layers.3.attn.wo_b"} <= bad
+
+
+def test_reference_override_binds_nothing(sm90_engine):
+    model, _ = load_engine_model(sm90_engine, check_arch=False, plugins="reference")
+    assert all(getattr(m, "plugin", None) is None and getattr(m, "hc_plugin", None) is None
+               for m in model.modules())
+    ids = torch.randint(0, model.args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    assert torch.isfinite(model.logits(ids)).all()
+
+
+def test_tp2_rank_with_padded_experts(hopper_ckpt):
+    """MoE-TP2 halves the tiny intermediate (64 -> 32), padded after sharding to the 64-wide sm90 tile."""
+    eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-tp2", Mapping(world_size=2, tp_size=2), "sm90",
+                       BuildConfig(), progress=False)
+    for rank in (0, 1):
+        model, meta = load_engine_model(eng, rank, comm=PartialSums(2, rank), check_arch=False)
+        assert (meta.meta["expert_inter_local"], meta.meta["expert_inter_padded"]) == (32, 64)
+        assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
+        ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
+        rows = site_parity(model, ids)
+        assert {r["kind"] for r in rows} == {"gemm", "moe", "mhc", "wo_a"}
+        assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
+
+
+def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
+    """`dsflash build --disable-plugin gemm`: recorded in engine.json, and the loader binds the other ops only."""
+    from dsflash.build.cli import main as build_main
+    out = hopper_ckpt.parent / "eng-nogemm"
+    assert build_main(["--ckpt", str(hopper_ckpt), "--arch", "sm90", "--out", str(out), "--disable-plugin", "gemm",
+                       "--tune-budget-s", "0"]) == 0
+    with caplog.at_level(logging.INFO, logger="dsflash.bind"):
+        model, eng = load_engine_model(out, check_arch=False)
+    assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4"
+    assert eng.meta["build_config"]["disable_plugins"] == ["gemm"]
+    assert model.layers[0].attn.wq_b.plugin is None and model.layers[0].ffn.plugin is not None
+    assert build_main(["--ckpt", str(hopper_ckpt), "--arch", "sm90", "--out", str(out) + "x",
+                       "--disable-plugin", "lm_head"]) == 2
+    assert "--disable-plugin 'lm_head': not a plugin op" in capsys.readouterr().err
+
+
+def test_v4_gpu_engines_record_references():
+    """The kernels implement V4.1's formats (group-32 FP8, its router and block): V4 engines say reference."""
+    assert set(default_plugins("sm90", family="v4").values()) == {"reference"}
