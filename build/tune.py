@@ -93,6 +93,8 @@ def _m_buckets_for(engine: dict) -> list[int]:
 
 
 def _fp8_gemm_buckets(engine: dict) -> list[dict]:
+    if engine.get("plugins", {}).get("gemm") == "reference":   # `--disable-plugin gemm`: nothing will look it up
+        return []
     # rank 0 stands for all: TP cuts are even (split_range), so every rank runs the same dense shapes
     shapes = dense_gemm_shapes(engine, 0)
     # by M first: decode buckets, the most config-sensitive, are tuned before a time budget can run out

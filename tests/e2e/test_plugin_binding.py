@@ -13,6 +13,7 @@ import torch
 from dsflash.build.bind import resolve_plugins, site_parity
 from dsflash.build.engine import default_plugins, load_engine_model, write_engine
 from dsflash.build.plan import BuildConfig
+from dsflash.build.tune import FP8_GEMM
 from dsflash.convert.synth import synthesize
 from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
@@ -116,6 +117,7 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
         model, eng = load_engine_model(out, check_arch=False)
     assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4"
     assert eng.meta["build_config"]["disable_plugins"] == ["gemm"]
+    assert FP8_GEMM.buckets(eng.meta) == [] and FP8_GEMM.buckets({**eng.meta, "plugins": default_plugins("sm90")})
     assert model.layers[0].attn.wq_b.plugin is None and model.layers[0].ffn.plugin is not None
     assert build_main(["--ckpt", str(hopper_ckpt), "--arch", "sm90", "--out", str(out) + "x",
                        "--disable-plugin", "lm_head"]) == 2
