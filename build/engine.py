@@ -271,17 +271,20 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
                 continue
             le = local_entry(e, cuts[e.name])
             ours = {n: f.get_tensor(n) for n in layouts.stored_names(le, meta["layout"], meta["expert_dtype"], args)}
-            value = layouts.dequantize(le, ours, meta["layout"], meta["expert_dtype"], args)
-            p = params[e.name]
-            if value.shape != p.shape:   # expert widths padded after sharding: the padding is zero
-                value = value[tuple(slice(0, s) for s in p.shape)]
-            p.copy_(value.to(p.dtype))
             if wants_kernel_format(chosen, args, le):
+                # the kernels read the HF format (plain codes + e8m0 scales): unpack once, dequantize from that
                 ref = layouts.to_reference(le, ours, meta["layout"], meta["expert_dtype"], args)
+                value = layouts.dequantize(le, ref, "reference", "fp4", args)
                 kept[e.name] = {"q": ref[e.name].to(device), "s": ref[e.scale_name].to(device)}
                 bf16 = layouts.name_of(le, "weight_bf16")
                 if bf16 in ours:
                     kept[e.name]["bf16"] = ours[bf16].to(device)
+            else:
+                value = layouts.dequantize(le, ours, meta["layout"], meta["expert_dtype"], args)
+            p = params[e.name]
+            if value.shape != p.shape:   # expert widths padded after sharding: the padding is zero
+                value = value[tuple(slice(0, s) for s in p.shape)]
+            p.copy_(value.to(p.dtype))
     if any(impl != "reference" for impl in chosen.values()):
         bind_plugins(model, args, chosen, kept, meta["expert_inter_local"], mapping.moe_ep_size)
         if chosen.get("gemm") == "fp8_gemm":

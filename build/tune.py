@@ -21,7 +21,6 @@ import importlib.util
 import json
 import logging
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +80,6 @@ LM_HEAD = TunableOp("lm_head", _lm_head_buckets, _lm_head_candidates, _lm_head_m
 
 
 # -- fp8_gemm: group-32 FP8 GEMM configs vs the BF16-cache GEMM, per local dense linear shape ------------------------
-L2_BYTES = 60e6        # H200 L2 as PyTorch reports it
-MAX_INPUT_SETS = 48    # rotating weight/activation sets, so weights stream from HBM as in serve (not from L2)
 GEMM_REL_TOL = 1e-2    # both paths multiply exactly and accumulate in fp32: only the BF16 output rounds
 
 
@@ -113,27 +110,20 @@ def _fp8_gemm_candidates(bucket: dict) -> list[dict]:
 
 
 class _GemmInputs:
-    """Random CUDA inputs of one (N, K, M): quantized weights and activations, and lazily their BF16 copies, tiled
-    weights and fp32 reference output (shared by all candidates of a bucket)."""
+    """Random CUDA inputs of one (N, K, M), enough sets to stream the weights from HBM (`timing.input_sets`):
+    quantized weights, BF16 activations, and lazily the BF16 weight copies and the fp32 reference output (shared by
+    all candidates of a bucket)."""
 
     def __init__(self, n: int, k: int, m: int):
         from dsflash.plugins import refs
-        sets = max(1, min(MAX_INPUT_SETS, -(-int(3 * L2_BYTES) // (n * k + m * k))))
+        from dsflash.plugins.timing import input_sets
+        sets = input_sets(n * k + m * k)
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.ws = [refs.quant_weight_fp8_ref(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
                    for _ in range(sets)]
         self.xs = [(torch.randn(m, k, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
-        self.acts = [refs.act_quant_ref(x) for x in self.xs]
-        self._tiled: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._w16: list[torch.Tensor] | None = None
         self._ref: torch.Tensor | None = None
-
-    def tiled(self, cfg) -> list[torch.Tensor]:
-        from dsflash.plugins.fp8_gemm import tile_weight
-        key = (cfg.block_p, cfg.kgroups)
-        if key not in self._tiled:
-            self._tiled[key] = [tile_weight(w_q, cfg) for w_q, _ in self.ws]
-        return self._tiled[key]
 
     def w16(self) -> list[torch.Tensor]:
         from dsflash.plugins.fp8_gemm import bf16_cache_weight
@@ -144,7 +134,7 @@ class _GemmInputs:
     def ref(self) -> torch.Tensor:
         from dsflash.plugins import refs
         if self._ref is None:
-            self._ref = refs.fp8_gemm_ref(*self.acts[0], *self.ws[0], torch.float32)
+            self._ref = refs.fp8_gemm_ref(*refs.act_quant_ref(self.xs[0]), *self.ws[0], torch.float32)
         return self._ref
 
 
@@ -154,15 +144,13 @@ def _gemm_inputs(n: int, k: int, m: int) -> _GemmInputs:
 
 
 class _Rotation:
-    """Calls the input sets' runnables in turn; `period` tells the timer how many calls cover every set once."""
+    """One runnable per input set; the CUDA timer captures them round-robin (calling it runs the first set)."""
 
     def __init__(self, calls: list[Callable[[], object]]):
-        self.calls, self.period, self._i = calls, len(calls), 0
+        self.calls = calls
 
     def __call__(self):
-        c = self.calls[self._i % self.period]
-        self._i += 1
-        return c()
+        return self.calls[0]()
 
 
 def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
@@ -176,11 +164,10 @@ def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
     else:
         from dsflash.plugins.act_quant import act_quant
         cfg = GemmConfig.from_dict(cand["config"])
-        wt = inp.tiled(cfg) if cfg.tiled_w else [None] * len(inp.ws)
 
-        def fp8_linear(x, w, t):
-            return fp8_gemm(*act_quant(x, "e8m0"), *w, cfg, w_tiled=t)
-        calls = [functools.partial(fp8_linear, x, w, t) for x, w, t in zip(inp.xs, inp.ws, wt)]
+        def fp8_linear(x, w):
+            return fp8_gemm(*act_quant(x, "e8m0"), *w, cfg)
+        calls = [functools.partial(fp8_linear, x, w) for x, w in zip(inp.xs, inp.ws)]
     # first call compiles; a config that launches but computes wrong must not win on speed
     err = refs.rel_err(calls[0](), inp.ref())
     if not err <= GEMM_REL_TOL:
@@ -218,56 +205,12 @@ def _cpu_time_us(fn, reps: int = 2) -> float:
     return best
 
 
-def _calls_per_replay(fn, period: int) -> int:
-    """Back-to-back calls (a multiple of the input-set period) that take about CUDA_TARGET_US."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(period):
-        fn()
-    e1.record()
-    e1.synchronize()
-    est_us = max(e0.elapsed_time(e1) * 1000 / period, 1.0)
-    rounds = max(1, min(CUDA_MAX_CALLS // period, round(CUDA_TARGET_US / (est_us * period))))
-    return rounds * period
-
-
-def _cuda_time_us(fn, reps: int = CUDA_REPS) -> float:
-    """Median per-call time over `reps` replays of a CUDA graph of back-to-back calls (serve replays graphs too, so
-    no launch gaps count); eager launches between CUDA events where the op cannot be captured."""
-    period = getattr(fn, "period", 1)
-    side = torch.cuda.Stream()  # warm up off the default stream, as graph capture requires of lazily set-up libraries
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(period):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    calls = _calls_per_replay(fn, period)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        run = g.replay
-        run()
-    except Exception:  # not capturable: time eager launches
-        torch.cuda.synchronize()
-        g = None
-
-        def run():
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / calls)
-    del g
-    return statistics.median(ts)
+def _cuda_time_us(fn) -> float:
+    """Median per-call time of a CUDA graph of back-to-back calls (serve replays graphs too, so no launch gaps
+    count), rotating over the input sets of a `_Rotation`."""
+    from dsflash.plugins.timing import graph_time_us
+    calls = getattr(fn, "calls", [fn])
+    return graph_time_us(calls, CUDA_TARGET_US, CUDA_REPS, max_rounds=CUDA_MAX_CALLS, max_calls=CUDA_MAX_CALLS)[0]
 
 
 # -- tuning -----------------------------------------------------------------------------------------------------------

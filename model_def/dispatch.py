@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from dsflash.model_def.layers import rope_cos_sin as rope_angles
+
 log = logging.getLogger("dsflash.dispatch")
 
 REFERENCE = "reference"
@@ -25,14 +27,18 @@ PLUGIN_IMPLS = {
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
 _warned: set[str] = set()
+_ops = None
 
 
 def ops():
-    """torch.ops.dsflash, with a clear message when nothing registered it."""
-    if not hasattr(torch.ops.dsflash, "fp8_linear"):
-        raise RuntimeError("dsflash plugin ops are not registered: import dsflash.plugins.registry before running a "
-                           "model with plugins bound (build.bind.bind_plugins does)")
-    return torch.ops.dsflash
+    """torch.ops.dsflash, with a clear message when nothing registered it (checked once: this is on every call)."""
+    global _ops
+    if _ops is None:
+        if not hasattr(torch.ops.dsflash, "fp8_linear"):
+            raise RuntimeError("dsflash plugin ops are not registered: import dsflash.plugins.registry before running "
+                               "a model with plugins bound (build.bind.bind_plugins does)")
+        _ops = torch.ops.dsflash
+    return _ops
 
 
 def warn_once(key: str, msg: str, *args) -> None:
@@ -93,6 +99,5 @@ class FusedHC(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rd/2] fp32 of positions [T] × inv_freq, taken in float64 as `layers.apply_rope` does."""
-    ang = positions.reshape(-1).to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
-    return ang.cos().float().contiguous(), ang.sin().float().contiguous()
+    """cos/sin [T, rd/2] fp32 of positions (flattened to [T]), the angles of `layers.apply_rope`."""
+    return tuple(t.float().contiguous() for t in rope_angles(positions.reshape(-1), inv_freq))

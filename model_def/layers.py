@@ -172,14 +172,19 @@ def rope_inv_freq(rope_dim: int, base: float, yarn: dict | None = None) -> torch
     return (inv / factor * (1 - smooth) + inv * smooth).float()
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., rd/2] of positions [...] × inv_freq, taken in float64 (the angles reach 1e5+ radians)."""
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return ang.cos(), ang.sin()
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last `2*len(inv_freq)` channels of x as interleaved pairs at `positions`.
 
     x: [..., S, d] or [..., S, H, d]; positions: [S] or [B, S] (broadcast against x's leading dims).
     """
     rd = inv_freq.numel() * 2
-    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)  # [.., S, rd/2]
-    cos, sin = ang.cos().to(wide(x).dtype), ang.sin().to(wide(x).dtype)
+    cos, sin = (t.to(wide(x).dtype) for t in rope_cos_sin(positions, inv_freq))   # [.., S, rd/2]
     if inverse:
         sin = -sin
     if x.dim() == positions.dim() + 2:  # heads axis between S and d

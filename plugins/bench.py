@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -24,9 +23,9 @@ import traceback
 import torch
 
 from dsflash.plugins import refs, tuning
+from dsflash.plugins.timing import graph_time_us, input_sets
 
 DEV = "cuda"
-L2_BYTES = 60e6
 HIDDEN = 5120
 HC_ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
 
@@ -52,60 +51,6 @@ SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
-def _graph_time_us(calls: list, target_us: float = 3000.0, replays: int = 15) -> tuple[float, str]:
-    """Median time per call: the calls (one per input set) captured round-robin into one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for c in calls:
-        c()
-    e1.record()
-    e1.synchronize()
-    est = max(e0.elapsed_time(e1) * 1000 / len(calls), 1.0)
-    inner = len(calls) * max(1, min(64, math.ceil(target_us / (est * len(calls)))))
-    inner = min(inner, max(len(calls), 1024))
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(inner):
-                calls[i % len(calls)]()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(replays):
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1000 / inner)
-        del g
-        return statistics.median(ts), "graph"
-    except Exception:  # not capturable: eager events
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(replays):
-            e0.record()
-            for i in range(inner):
-                calls[i % len(calls)]()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1000 / inner)
-        return statistics.median(ts), "eager"
-
-
-def _n_sets(bytes_per_call: float, cap: int = 48) -> int:
-    return max(1, min(cap, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1.0))))
-
-
 def _event_time_us(fn, reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
@@ -167,7 +112,7 @@ def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
         w = torch.rand(k, device=DEV) + 0.5
         for m in ms:
             nbytes = m * k * (2 + 1) + m * (k // 32) * 4 + (m * k * 2 if norm else 0) + (k * 4 if norm else 0)
-            xs = [(torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16) for _ in range(_n_sets(nbytes, 16))]
+            xs = [(torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16) for _ in range(input_sets(nbytes, 16))]
             if norm:
                 f = [lambda x=x: rmsnorm_act_quant(x, w, 1e-6) for x in xs]
                 r = [lambda x=x: refs.rmsnorm_act_quant_ref(x, w, 1e-6) for x in xs]
@@ -177,8 +122,8 @@ def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
                 r = [lambda x=x: refs.act_quant_ref(x) for x in xs]
                 got, want = act_quant(xs[0]), refs.act_quant_ref(xs[0])
             err = refs.rel_err(refs.act_dequant_ref(*got), refs.act_dequant_ref(*want))
-            us, how = _graph_time_us(f)
-            ref_us, _ = _graph_time_us(r)
+            us, how = graph_time_us(f)
+            ref_us, _ = graph_time_us(r)
             rows.append(_row(name, f"{m}x{k}", m, us, ref_us, nbytes, 0, ceil, err, timing=how))
     return rows
 
@@ -195,7 +140,7 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
     for t in ms:
         per_set = t * 4 * d * 2 * 3
         sets = []
-        for _ in range(_n_sets(per_set, 16)):
+        for _ in range(input_sets(per_set, 16)):
             X = (torch.randn(t, 4, d, device=DEV) * 2).to(torch.bfloat16)
             fx = torch.randn(t, d, device=DEV).to(torch.bfloat16)
             pre, post, comb = refs.hc_mix_ref(X.flatten(1), fn, base, scale, 4, HC_ITERS, HC_EPS, NORM_EPS)
@@ -204,9 +149,9 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
         # (b) coefficients vs fp32
         got = hc_mix(X.flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
         err = max(refs.rel_err(g, r) for g, r in zip(got, (pre, post, comb)))
-        us, how = _graph_time_us([lambda s=s: hc_mix(s[0].flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
+        us, how = graph_time_us([lambda s=s: hc_mix(s[0].flatten(1), h, base, scale, HC_ITERS, HC_EPS, NORM_EPS)
                                   for s in sets])
-        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_mix_ref(s[0].flatten(1), fn, base, scale, 4, HC_ITERS,
+        ref_us, _ = graph_time_us([lambda s=s: refs.hc_mix_ref(s[0].flatten(1), fn, base, scale, 4, HC_ITERS,
                                                                 HC_EPS, NORM_EPS) for s in sets])
         nb = t * k * 2 + 3 * 32 * k * 2 + t * 24 * 4
         rows.append(_row("hc_mix", f"{t}x4x{d}", t, us, ref_us, nb, 2 * t * k * 24 * 3, ceil, err, timing=how))
@@ -214,24 +159,24 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
         g = hc_pre(X, pre, w, NORM_EPS, True)
         r = refs.hc_pre_ref(X, pre, w, NORM_EPS, True)
         err = max(refs.rel_err(g[0], r[0]), refs.rel_err(refs.act_dequant_ref(g[1], g[2]), refs.act_dequant_ref(r[1], r[2])))
-        us, how = _graph_time_us([lambda s=s: hc_pre(s[0], s[2], w, NORM_EPS, True) for s in sets])
-        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_pre_ref(s[0], s[2], w, NORM_EPS, True) for s in sets])
+        us, how = graph_time_us([lambda s=s: hc_pre(s[0], s[2], w, NORM_EPS, True) for s in sets])
+        ref_us, _ = graph_time_us([lambda s=s: refs.hc_pre_ref(s[0], s[2], w, NORM_EPS, True) for s in sets])
         nb = t * 4 * d * 2 + t * d * (2 + 1) + t * d // 32 * 4
         rows.append(_row("hc_pre+quant", f"{t}x4x{d}", t, us, ref_us, nb, 0, ceil, err, timing=how))
         # (c) expand, and expand fused with the next collapse + norm + quant
         g = hc_post(X, fx, post, comb)
         err = refs.rel_err(g, refs.hc_post_ref(X, fx, post, comb))
-        us, how = _graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4]) for s in sets])
-        ref_us, _ = _graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4]) for s in sets])
+        us, how = graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4]) for s in sets])
+        ref_us, _ = graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4]) for s in sets])
         nb = t * 4 * d * 2 * 2 + t * d * 2
         rows.append(_row("hc_post", f"{t}x4x{d}", t, us, ref_us, nb, 0, ceil, err, timing=how))
         g = hc_post(X, fx, post, comb, pre, w, NORM_EPS, True)
         r = refs.hc_post_ref(X, fx, post, comb, pre, w, NORM_EPS, True)
         err = max(refs.rel_err(g[0], r[0]), refs.rel_err(g[1], r[1]),
                   refs.rel_err(refs.act_dequant_ref(g[2], g[3]), refs.act_dequant_ref(r[2], r[3])))
-        us_post, how = _graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
+        us_post, how = graph_time_us([lambda s=s: hc_post(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
                                        for s in sets])
-        ref_post, _ = _graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
+        ref_post, _ = graph_time_us([lambda s=s: refs.hc_post_ref(s[0], s[1], s[3], s[4], s[2], w, NORM_EPS, True)
                                       for s in sets])
         nb = t * 4 * d * 2 * 2 + t * d * 2 + t * d * (2 + 1) + t * d // 32 * 4
         rows.append(_row("hc_post+pre+quant", f"{t}x4x{d}", t, us_post, ref_post, nb, 0, ceil, err, timing=how))
@@ -245,8 +190,8 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
         def unfused(s):
             p, q, c = refs.hc_mix_ref(s[0].flatten(1), fn, base, scale, 4, HC_ITERS, HC_EPS, NORM_EPS)
             return refs.hc_post_ref(s[0], s[1], q, c, p, w, NORM_EPS, True)
-        us, how = _graph_time_us([lambda s=s: fused(s) for s in sets])
-        ref_us, _ = _graph_time_us([lambda s=s: unfused(s) for s in sets])
+        us, how = graph_time_us([lambda s=s: fused(s) for s in sets])
+        ref_us, _ = graph_time_us([lambda s=s: unfused(s) for s in sets])
         rows.append(_row("mhc_site", f"{t}x4x{d}", t, us, ref_us, nb_site, 0, ceil, None, timing=how))
     return rows
 
@@ -267,7 +212,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
             try:
                 nb_w = n * k + (n // 32) * (k // 32)
                 nbytes = nb_w + m * k * (1 + 4 / 32) + m * n * 2
-                n_sets = _n_sets(nb_w + m * k)
+                n_sets = input_sets(nb_w + m * k)
                 ws = []
                 for _ in range(n_sets):
                     w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
@@ -278,7 +223,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 flops = 2 * m * n * k
                 # reference path: torch fake-quant + F.linear on the dequantized BF16 weight (what model_def runs)
                 w16 = [bf16_cache_weight(*wp) for wp in ws]
-                ref_us, _ = _graph_time_us([lambda i=i: torch.nn.functional.linear(refs.act_fake_quant_ref(xs[i]), w16[i])
+                ref_us, _ = graph_time_us([lambda i=i: torch.nn.functional.linear(refs.act_fake_quant_ref(xs[i]), w16[i])
                                             for i in range(n_sets)])
                 # FP8 kernel: every candidate config
                 best = default_row = None
@@ -291,7 +236,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                         wt = tiled[(cfg.block_p, cfg.kgroups)] if cfg.tiled_w else [None] * n_sets
                         out = fp8_gemm(*acts[0], *ws[0], cfg, w_tiled=wt[0])
                         err = refs.rel_err(out, ref32)
-                        us, how = _graph_time_us([lambda i=i, c=cfg, wt=wt: fp8_gemm(*acts[i], *ws[i], c, w_tiled=wt[i])
+                        us, how = graph_time_us([lambda i=i, c=cfg, wt=wt: fp8_gemm(*acts[i], *ws[i], c, w_tiled=wt[i])
                                                   for i in range(n_sets)])
                     except Exception as e:  # a config that fails to compile/launch is reported, not fatal
                         rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),
@@ -310,7 +255,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 # BF16-cache path: fused quantize/dequantize kernel + cuBLAS BF16
                 out16 = torch.matmul(act_quant_dequant(xs[0]), w16[0].t())
                 err16 = refs.rel_err(out16, ref32)
-                us16, how = _graph_time_us([lambda i=i: torch.matmul(act_quant_dequant(xs[i]), w16[i].t())
+                us16, how = graph_time_us([lambda i=i: torch.matmul(act_quant_dequant(xs[i]), w16[i].t())
                                             for i in range(n_sets)])
                 nbytes16 = 2 * n * k + m * k * 2 * 3 + m * n * 2
                 rows.append(best | {"op": "fp8_gemm[tuned]", "candidates": tried})
@@ -321,7 +266,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 # ceiling at the same shape: torch._scaled_mm (per-tensor scales), where cuBLAS takes the shape
                 if m % 16 == 0:
                     a8 = torch.randn(m, k, device=DEV).to(torch.float8_e4m3fn)
-                    smm_us, _ = _graph_time_us([lambda i=i: torch._scaled_mm(a8, ws[i][0].t(), scale_a=one, scale_b=one,
+                    smm_us, _ = graph_time_us([lambda i=i: torch._scaled_mm(a8, ws[i][0].t(), scale_a=one, scale_b=one,
                                                                              out_dtype=torch.bfloat16)
                                                 for i in range(n_sets)])
                     rows.append(_row("scaled_mm(fp8 ceiling)", shape, m, smm_us, None, nbytes, flops, ceil, None,
@@ -400,9 +345,9 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 # router (+ the deploy activation quant it also writes)
                 if tp == "tp1":
                     nb = e * d * 2 + m * d * 2 + m * d * (4 if cfg.gemv else 2) + p * 8
-                    us, how = _graph_time_us([lambda x=x: M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay)
+                    us, how = graph_time_us([lambda x=x: M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay)
                                               for x in xs])
-                    ref_us, _ = _graph_time_us([lambda x=x: (refs.router_ref(x, gw, bias, k, MOE_SCALE),
+                    ref_us, _ = graph_time_us([lambda x=x: (refs.router_ref(x, gw, bias, k, MOE_SCALE),
                                                              refs.fp8_fake_quant_ref(x)) for x in xs])
                     wr, ir = refs.router_ref(xs[0], gw, bias, k, MOE_SCALE)
                     same = (routed[0][1].long().sort(1).values == ir.sort(1).values).float().mean().item()
@@ -425,7 +370,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                         out = M.moe_experts(routed[0][2], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
                                             MOE_LIMIT, inter, shared[0], c)
                         err = refs.rel_err(out, ref_out)
-                        us, how = _graph_time_us([lambda i=i, c=c: M.moe_experts(
+                        us, how = graph_time_us([lambda i=i, c=c: M.moe_experts(
                             routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
                             shared[i], c) for i in range(n_sets)])
                     except Exception as ex:
@@ -444,10 +389,10 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 if best_cfg.gemv:
                     hps = [M.gemv_w13(r[2], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg) for r in routed]
                     outs = [torch.zeros(m, d, device=DEV) for _ in range(n_sets)]
-                    us13, how = _graph_time_us([lambda i=i: M.gemv_w13(routed[i][2], routed[i][0], routed[i][1],
+                    us13, how = graph_time_us([lambda i=i: M.gemv_w13(routed[i][2], routed[i][0], routed[i][1],
                                                                        w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
                                                 for i in range(n_sets)])
-                    us2, _ = _graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
+                    us2, _ = graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
                                                                    best_cfg) for i in range(n_sets)])
                     rows.append(_row("moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
                                      2 * p * d * 2 * inter, ceil, None, timing=how, config=best_cfg.tag(),
@@ -457,7 +402,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                                      weight_MB=n_act * b2 / 1e6))
                 # router + experts
                 if tp == "tp1":
-                    us, how = _graph_time_us([lambda i=i: M.moe(xs[i], gw, bias, k, MOE_SCALE, w13_q, w13_s, w2_q,
+                    us, how = graph_time_us([lambda i=i: M.moe(xs[i], gw, bias, k, MOE_SCALE, w13_q, w13_s, w2_q,
                                                                 w2_s, MOE_LIMIT, inter, shared[i])
                                               for i in range(n_sets)])
                     ref_full = _eager_time_us([lambda i=i: refs.moe_ref(xs[i], gw, bias, k, MOE_SCALE, *w1, w2_q, w2_s,
@@ -484,7 +429,7 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
         kg = h * WO_A_D // g
         nrows = g * WO_A_R
         nb_w = nrows * kg * 2
-        n_sets = _n_sets(nb_w, 24)
+        n_sets = input_sets(nb_w, 24)
         ws = [(torch.randn(nrows, kg, device=DEV) * 0.02).to(torch.bfloat16) for _ in range(n_sets)]
         for m in ms:
             shape = f"{tp} H{h} G{g} {nrows}x{kg}"
@@ -492,14 +437,14 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
                 os_ = [(torch.randn(m, h, WO_A_D, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 cs = [refs.rope_cos_sin_ref(torch.randint(0, 1 << 20, (m,), device=DEV), inv) for _ in range(n_sets)]
                 ref = refs.wo_a_ref(os_[0], *cs[0], ws[0], torch.float32)
-                ref_us, _ = _graph_time_us([lambda i=i: refs.wo_a_ref(os_[i], *cs[i], ws[i]) for i in range(n_sets)])
+                ref_us, _ = graph_time_us([lambda i=i: refs.wo_a_ref(os_[i], *cs[i], ws[i]) for i in range(n_sets)])
                 nb = nb_w + m * h * WO_A_D * 2 + m * WO_A_RD * 4 + m * nrows * 2
                 flops = 2 * m * nrows * kg
                 best, tried, dflt = None, [], None
                 for c in candidates(m, nrows, kg):
                     out = wo_a(os_[0], *cs[0], ws[0], c)
                     err = refs.rel_err(out, ref)
-                    us, how = _graph_time_us([lambda i=i, c=c: wo_a(os_[i], *cs[i], ws[i], c) for i in range(n_sets)])
+                    us, how = graph_time_us([lambda i=i, c=c: wo_a(os_[i], *cs[i], ws[i], c) for i in range(n_sets)])
                     tried.append([c.tag(), round(us, 2), err])
                     r = _row("wo_a", shape, m, us, ref_us, nb, flops, ceil, err, timing=how, config=c.tag(),
                              weight_MB=nb_w / 1e6)

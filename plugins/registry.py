@@ -7,7 +7,6 @@ Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.regis
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -115,8 +114,6 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = N
         path, cfg = tuning.lookup(n, k, x.shape[0])
         if path == "bf16cache" and w_bf16 is not None:
             return bf16_cache_gemm(x, w_bf16)
-        if cfg.tiled_w:   # engines hold the plain [N, K] weight, not the per-config re-tiled copy
-            cfg = dataclasses.replace(cfg, tiled_w=False)
         return gemm(*quant(x, "e8m0"), w_q, w_s, cfg)
     return refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s)
 

@@ -158,13 +158,17 @@ def _prepare_completion(fe: Frontend, body: dict):
     return ids, _sampling_fields(fe, body, 16, lp)
 
 
+def _output_fields(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, return_token_ids) of a completions or chat request."""
+    include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
+    return field(body, "stream", "bool", False), include_usage, field(body, "return_token_ids", "bool", False)
+
+
 async def completions(fe: Frontend, request: Request) -> Response:
     try:
         body = await read_json(request, fe.limits.max_body_bytes)
         ids, params = _prepare_completion(fe, body)
-        stream_mode = field(body, "stream", "bool", False)
-        include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
-        want_ids = field(body, "return_token_ids", "bool", False)
+        stream_mode, include_usage, want_ids = _output_fields(body)
         s = await fe.start(ids, params, "cmpl")
     except APIError as e:
         fe.metrics.record_error(e.status)
@@ -237,9 +241,7 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
         ids = fe.check_prompt(fe.encode(prompt, add_bos=False))
         lp = field(body, "top_logprobs", "int", 0) if field(body, "logprobs", "bool", False) else None
         params = _sampling_fields(fe, body, fe.default_max_tokens(len(ids)), lp)
-        stream_mode = field(body, "stream", "bool", False)
-        include_usage = bool(field(field(body, "stream_options", "object", {}), "include_usage", "bool", False))
-        want_ids = field(body, "return_token_ids", "bool", False)
+        stream_mode, include_usage, want_ids = _output_fields(body)
         s = await fe.start(ids, params, "chatcmpl")
     except APIError as e:
         fe.metrics.record_error(e.status)
