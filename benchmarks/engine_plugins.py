@@ -3,7 +3,8 @@
 For each preset (tiny, mid): synth -> convert --layout hopper -> build --arch sm90 (tuning on this GPU) -> load the
 engine twice (plugins from engine.json, and `plugins="reference"`), then
   - site parity: every bound site (FP8 linears, MoE, mHC, WO-A) replayed on the activations of a real forward,
-    plugin vs its fp32 reference (`build.bind.site_parity`), max ‖Δ‖/‖ref‖ per kind against 1e-2;
+    plugin vs its fp32 reference (`build.bind.site_parity`), max ‖Δ‖/‖ref‖ per kind against 1e-2; once at the
+    prompt's length and once with one token, the decode shape that takes the GEMV kernels;
   - end to end: logits rel. error and teacher-forced argmax agreement on a prompt, and the first position where
     free-running greedy generation diverges (reported: deploy numerics on random weights amplify rounding
     differences, see `site_parity`);
@@ -86,15 +87,17 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, plug.args.vocab_size, (1, prompt_len), generator=gen).cuda()
 
-    sites = site_parity(plug, ids)
-    kinds: dict[str, dict] = {}
-    for s in sites:
-        k = kinds.setdefault(s["kind"], {"sites": 0, "max_rel": 0.0, "worst": None})
-        k["sites"] += 1
-        if s["rel"] > k["max_rel"]:
-            k["max_rel"], k["worst"] = s["rel"], s["site"]
-    res["site_parity"] = kinds
-    res["site_parity_pass"] = bool(sites) and all(k["max_rel"] <= THRESHOLD for k in kinds.values())
+    # prefill shape (prompt_len tokens at every site) and decode shape (one token: the GEMV/decode kernels)
+    for key, inp in (("site_parity", ids), ("site_parity_decode", ids[:, :1])):
+        sites = site_parity(plug, inp)
+        kinds: dict[str, dict] = {}
+        for s in sites:
+            k = kinds.setdefault(s["kind"], {"sites": 0, "max_rel": 0.0, "worst": None})
+            k["sites"] += 1
+            if s["rel"] > k["max_rel"]:
+                k["max_rel"], k["worst"] = s["rel"], s["site"]
+        res[key] = kinds
+        res[key + "_pass"] = bool(sites) and all(k["max_rel"] <= THRESHOLD for k in kinds.values())
 
     lp, lr = plug.logits(ids)[0].float(), ref.logits(ids)[0].float()
     res["logits_rel"] = float((lp - lr).norm() / lr.norm())
@@ -148,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         Path(a.out).write_text(json.dumps(results, indent=2))
-    print(f"{'preset':10} {'kind':6} {'sites':>5} {'max rel':>9}  pass")
+    print(f"{'preset':10} {'kind':6} {'M':>3} {'sites':>5} {'max rel':>9}  pass")
     for r in results["runs"]:
         if "error" in r:
             print(f"{r['preset']:10} ERROR {r['error'][:200]}")
             continue
-        for kind, k in r["site_parity"].items():
-            print(f"{r['preset']:10} {kind:6} {k['sites']:>5} {k['max_rel']:>9.2e}  {k['max_rel'] <= THRESHOLD}")
+        for key, tag in (("site_parity", "T"), ("site_parity_decode", "T=1")):
+            for kind, k in r[key].items():
+                print(f"{r['preset']:10} {kind:6} {tag:>3} {k['sites']:>5} {k['max_rel']:>9.2e}  "
+                      f"{k['max_rel'] <= THRESHOLD}")
         print(f"{r['preset']:10} e2e logits rel {r['logits_rel']:.3f}, teacher-forced argmax agree "
               f"{r['teacher_forced_argmax_agree']:.2f}, greedy equal {r['greedy_equal_tokens']}/{r['greedy_tokens']}; "
               f"fallback logged {r['fallback_logged']} (+{r['fallback_logged_again']} on rerun); decode "

@@ -338,7 +338,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(n_sets)]
                 cfg = M.default_moe_config(m, k, e, ipad, d)
-                lay = "gemv" if cfg.gemv else "bf16"
+                lay = cfg.xq_layout
                 routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay) for x in xs]
                 n_act = statistics.mean(len(torch.unique(r[1])) for r in routed)
                 p = m * k
@@ -365,13 +365,17 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 # the whole routed-expert pass, every candidate config
                 best = None
                 tried = []
+                xq_in = {lay: [r[2] for r in routed]}
                 for c in M.moe_candidates(m, k, e, ipad, d):
-                    try:
-                        out = M.moe_experts(routed[0][2], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
+                    try:   # each config reads its own activation layout (the router writes any of them)
+                        if c.xq_layout not in xq_in:
+                            xq_in[c.xq_layout] = [M.as_layout(r[2], c.xq_layout) for r in routed]
+                        xin = xq_in[c.xq_layout]
+                        out = M.moe_experts(xin[0], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
                                             MOE_LIMIT, inter, shared[0], c)
                         err = refs.rel_err(out, ref_out)
-                        us, how = graph_time_us([lambda i=i, c=c: M.moe_experts(
-                            routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
+                        us, how = graph_time_us([lambda i=i, c=c, xin=xin: M.moe_experts(
+                            xin[i], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
                             shared[i], c) for i in range(n_sets)])
                     except Exception as ex:
                         rows.append({"op": "moe_experts", "shape": shape, "M": m, "config": c.tag(),
@@ -387,9 +391,11 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 rows.append(best | {"op": "moe_experts[tuned]", "candidates": tried})
                 # the two GEMMs of the decode path on their own (best config)
                 if best_cfg.gemv:
-                    hps = [M.gemv_w13(r[2], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg) for r in routed]
+                    xin = xq_in[best_cfg.xq_layout]
+                    hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
+                           for i, r in enumerate(routed)]
                     outs = [torch.zeros(m, d, device=DEV) for _ in range(n_sets)]
-                    us13, how = graph_time_us([lambda i=i: M.gemv_w13(routed[i][2], routed[i][0], routed[i][1],
+                    us13, how = graph_time_us([lambda i=i: M.gemv_w13(xin[i], routed[i][0], routed[i][1],
                                                                        w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
                                                 for i in range(n_sets)])
                     us2, _ = graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
@@ -410,7 +416,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                                                for i in range(n_sets)], reps=5 if m <= 64 else 2)
                     rows.append(_row("moe(router+experts)", shape, m, us, ref_full, nb_w + nb_act + e * d * 2,
                                      flops, ceil, None, timing=how, weight_MB=nb_w / 1e6))
-                del xs, shared, routed
+                del xs, shared, routed, xq_in
             except Exception as ex:
                 rows.append({"op": "moe", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
                              "trace": traceback.format_exc()[-2000:]})

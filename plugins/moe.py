@@ -16,6 +16,14 @@ Pipeline (five launches, no host sync, CUDA-graph capturable):
 5. `_moe_w2_kernel`: y = h·W2ᵀ per expert block, fp32 atomically added into the output, which starts as the shared
    expert's output (so the weighted reduction over experts and the shared-expert add are one pass).
 
+Decode (T·k <= 2E): steps 3-5 are replaced by two CUDA-core GEMVs, one (token, expert) pair per program
+(`_moe_w13_gemv_kernel` with the same epilogue, `_moe_w2_gemv_kernel` adding atomically). The default
+(`MoeConfig.acc16`) sums each 32-block's exact products as packed f16x2 FMAs and promotes once per block to fp32
+(`_mx_gemv16_step`): ~2.5 instead of ~4.6 instructions per weight element, 64-89 % of copy bandwidth at TP1 on the
+H200 (benchmarks/README.md, "Session 3"). Its only difference from the fp32 path is the f16 rounding of the running
+in-block sums (~1e-3 relative in g and u), which the FP8 requantization of h turns into 1.4-4.6e-3 ‖Δ‖/‖ref‖ of the
+MoE output (9.6e-3 on the worst single-token site measured); acc16=False keeps fp32 accumulation (~1e-7).
+
 Weights are consumed in the plain reference MXFP4 layout stacked over experts (int8 [E, N, K/2], low nibble = even
 k; e8m0 [E, N, K/32]), not the hopper Marlin repack: the Marlin order is the register-fragment order of
 `mma.sync.m16n8k16`, which Triton does not expose; `tl.dot_scaled` takes the K-packed OCP layout as is.
@@ -40,10 +48,11 @@ QBLOCK = 32
 
 # -- shared helpers ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 fake quant with one pow2 scale per 32 consecutive
-    ROWS of each column (the reference's 1×32 blocks run along dim 0 of this transposed tile); fp32 out, exact.
-    Scale 2^e, e = ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern (as act_quant._quant_g32)."""
+def _quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 1×32 quantization with one pow2 scale per 32
+    consecutive ROWS of each column (the reference's 1×32 blocks run along dim 0 of this transposed tile):
+    (codes fp32 [ROWS, COLS] (e4m3 values), scales fp32 [ROWS/32, COLS]). Scale 2^e,
+    e = ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern (as act_quant._quant_g32)."""
     v3 = tl.reshape(v, (ROWS // 32, 32, COLS))
     amax = tl.maximum(tl.max(tl.abs(v3), axis=1), 1e-4)                 # [ROWS/32, COLS]
     bits = amax.to(tl.int32, bitcast=True)
@@ -51,17 +60,26 @@ def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
     sc = ((127 + e) << 23).to(tl.float32, bitcast=True)
     q = tl.minimum(tl.maximum(v3 * inv[:, None, :], -448.0), 448.0).to(tl.float8e4nv)
-    return tl.reshape(q.to(tl.float32) * sc[:, None, :], (ROWS, COLS))
+    return tl.reshape(q.to(tl.float32), (ROWS, COLS)), sc
+
+
+@triton.jit
+def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """`_quant_cols`, dequantized: the FP8 1×32 fake quant of v (fp32 out, exact)."""
+    q, sc = _quant_cols(v, ROWS, COLS)
+    return tl.reshape(tl.reshape(q, (ROWS // 32, 32, COLS)) * sc[:, None, :], (ROWS, COLS))
 
 
 # -- 1. router logits (+ the deploy activation) -----------------------------------------------------------------------
 @triton.jit
-def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, stride_w, stride_l, stride_xq,
-                          SPLIT, SPLIT_STRIDE,
+def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, T, E, K, stride_x, stride_w, stride_l,
+                          stride_xq, SPLIT, SPLIT_STRIDE,
                           BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_PERM: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_MODE: tl.constexpr):
     """Partial logits of K slice pid_k -> logits[pid_k] (the top-k kernel sums the slices in order: deterministic).
-    The programs of the first expert tile also write xq for their K slice."""
+    The programs of the first expert tile also write xq for their K slice, in layout XQ_MODE: 0 natural BF16,
+    1 the fp32 GEMV layout (`gemv_act`), 2 the f16-code GEMV layout (`gemv16_act`: codes to xq_ptr, scales to
+    xs_ptr)."""
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,13 +100,20 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, T, E, K, stride_x, 
         acc = tl.dot(w, xt, acc)
         if WRITE_XQ:
             if pid_e == 0:
-                xq = _fake_quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
-                if XQ_PERM:   # the decode GEMV's pair-permuted fp32 layout, ×2^6 (exact)
-                    tl.store(xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq + _pair_perm(k0 + offs_k, K)[:, None],
-                             xq * 64.0, mask=mt[None, :])
+                xrow = xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq
+                if XQ_MODE == 2:
+                    q, sc = _quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
+                    tl.store(xrow + _pair_perm16(k0 + offs_k, K)[:, None], (q * 0.0625).to(tl.float16),
+                             mask=mt[None, :])
+                    offs_b = tl.arange(0, BLOCK_K // 32)
+                    tl.store(xs_ptr + offs_t.to(tl.int64)[None, :] * (K // 32) + (k0 // 32 + offs_b)[:, None],
+                             sc * 1024.0, mask=mt[None, :])
                 else:
-                    tl.store(xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq + (k0 + offs_k)[:, None],
-                             xq.to(xq_ptr.dtype.element_ty), mask=mt[None, :])
+                    xq = _fake_quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
+                    if XQ_MODE == 1:   # the decode GEMV's pair-permuted fp32 layout, ×2^6 (exact)
+                        tl.store(xrow + _pair_perm(k0 + offs_k, K)[:, None], xq * 64.0, mask=mt[None, :])
+                    else:
+                        tl.store(xrow + (k0 + offs_k)[:, None], xq.to(xq_ptr.dtype.element_ty), mask=mt[None, :])
     tl.store(logits_ptr + pid_k * SPLIT_STRIDE + offs_t.to(tl.int64)[None, :] * stride_l + offs_e[:, None], acc,
              mask=me[:, None] & mt[None, :])
 
@@ -349,6 +374,80 @@ def _mx_gemv_step(acc, w_ptrs, s_ptrs, xa, xb, xc, xd, mw, mn, EVEN: tl.constexp
     return _mx_dot8(acc, w, sc, xa, xb, xc, xd)
 
 
+def _mx_dot32h_asm() -> str:
+    """PTX for one 32-block of 4 words: f16 accumulation of the 32 exact products, then fp32 promotion.
+    $0 = acc out; $1..$4 = the words; $5..$8 / $9..$12 = the words' activation planes 0 / 1 as b64 (f16 codes
+    (x0, x2, x4, x6) / (x1, x3, x5, x7)); $13 = the block's fp32 scale; $14 = acc in."""
+    body = []
+    for i in range(4):
+        w, xl, xh = f"${1 + i}", f"${5 + i}", f"${9 + i}"
+        first = i == 0
+        body += [f"shl.b32 t, {w}, 4;", "and.b32 t, t, 0x80808080;", f"shl.b32 lo, {w}, 2;",
+                 "and.b32 lo, lo, 0x1C1C1C1C;", "or.b32 lo, lo, t;", f"shr.b32 t, {w}, 2;",
+                 "and.b32 t, t, 0x1C1C1C1C;", f"and.b32 hi, {w}, 0x80808080;", "or.b32 hi, hi, t;",
+                 "mov.b32 {b0, b1}, lo;", "mov.b32 {b2, b3}, hi;",
+                 "cvt.rn.f16x2.e4m3x2 h0, b0;", "cvt.rn.f16x2.e4m3x2 h1, b1;",
+                 "cvt.rn.f16x2.e4m3x2 h2, b2;", "cvt.rn.f16x2.e4m3x2 h3, b3;",
+                 f"mov.b64 {{a0, a1}}, {xl};", f"mov.b64 {{a2, a3}}, {xh};",
+                 "mul.rn.f16x2 c0, h0, a0;" if first else "fma.rn.f16x2 c0, h0, a0, c0;",
+                 "mul.rn.f16x2 c1, h1, a1;" if first else "fma.rn.f16x2 c1, h1, a1, c1;",
+                 "fma.rn.f16x2 c0, h2, a2, c0;", "fma.rn.f16x2 c1, h3, a3, c1;"]
+    body += ["add.rn.f16x2 c0, c0, c1;", "mov.b32 {f0, f1}, c0;", "cvt.f32.f16 v0, f0;", "cvt.f32.f16 v1, f1;",
+             "add.rn.f32 v0, v0, v1;", "fma.rn.f32 $0, v0, $13, $14;"]
+    return ("{\n.reg .b32 t, lo, hi, h0, h1, h2, h3, a0, a1, a2, a3, c0, c1;\n.reg .b16 b0, b1, b2, b3, f0, f1;\n"
+            ".reg .f32 v0, v1;\n" + "\n".join(body) + "\n}")
+
+
+# The f16-accumulating variant (MoeConfig.acc16): per 32-block (4 words) the codes go e2m1 -> e4m3 bytes (as
+# above) -> f16x2 and multiply-add packed against f16 activation codes (a_q·2^-4, exact), two f16x2 chains; the
+# block's sum is widened to fp32 and scaled once (2^(e - 127) · the activation block's 2^(s + 10)). Every product
+# is exact in f16 (at most 6 significant bits, |sum| <= 32·(6/64)·28 = 84), so the only difference from the fp32
+# path is the f16 rounding of the running in-block sums (relative ~1e-4 of a block, well inside BF16 output
+# rounding), and the instruction count per weight element drops from ~4.7 to ~2.4 (no per-element fp32 widening).
+_MX_DOT32H_ASM = tl.constexpr(_mx_dot32h_asm())
+
+
+@triton.jit
+def _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc):
+    return tl.inline_asm_elementwise(_MX_DOT32H_ASM, "=f,r,r,r,r,l,l,l,l,l,l,l,l,f,f",
+                                     [w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc, acc],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _split4(t):
+    """[..., 2, 2] (a [..., 4] reshaped) -> its 4 entries along the last two dims, in order."""
+    a, b = tl.split(t)
+    a0, a2 = tl.split(a)
+    b1, b3 = tl.split(b)
+    return a0, b1, a2, b3
+
+
+@triton.jit
+def _mx_gemv16_step(acc, w_ptrs, s_ptrs, x_ptrs, K8, xs_ptrs, mw, mb, mn,
+                    ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
+    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks) with the f16 activation codes
+    (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at xs_ptrs). EVEN: no masks."""
+    if EVEN:
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+        xl = tl.load(x_ptrs[None, :])
+        xh = tl.load(x_ptrs[None, :] + K8)
+        xs = tl.load(xs_ptrs[None, :])
+    else:
+        w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
+        s = tl.load(s_ptrs, mask=mn[:, None] & mb[None, :], other=0)
+        xl = tl.load(x_ptrs[None, :], mask=mw[None, :], other=0)
+        xh = tl.load(x_ptrs[None, :] + K8, mask=mw[None, :], other=0)
+        xs = tl.load(xs_ptrs[None, :], mask=mb[None, :], other=0.0)
+    # the activation rows are loaded 2-D [1, BW] and split like the weight tile, so they land in its layout
+    w0, w1, w2, w3 = _split4(tl.reshape(w, (ROWS, BW // 4, 2, 2)))
+    l0, l1, l2, l3 = _split4(tl.reshape(xl, (1, BW // 4, 2, 2)))
+    h0, h1, h2, h3 = _split4(tl.reshape(xh, (1, BW // 4, 2, 2)))
+    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * xs
+    return _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc)
+
+
 @triton.jit
 def _pair_perm(n, N):
     """Index of element n of a row of N in the pair-permuted fp32 layout [4, N/8, 2]."""
@@ -356,21 +455,29 @@ def _pair_perm(n, N):
 
 
 @triton.jit
-def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
+def _pair_perm16(n, N):
+    """Index of element n of a row of N in the f16-code layout [2, N/8, 4] (`gemv16_act`)."""
+    return (n % 2) * (N // 2) + (n // 8) * 4 + (n % 8) // 2
+
+
+@triton.jit
+def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
                          N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                         ACC16: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
     and the last program of the tile to arrive (acq_rel counter, reset by it) sums them in slice order and runs
-    the epilogue."""
+    the epilogue. ACC16: the activation is in the f16-code layout (xp codes, xs block scales) and so is h (hp, hs),
+    the f16-accumulating GEMV (`_mx_gemv16_step`)."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
-    K8 = K // 8
+    K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     r = tl.arange(0, 2 * BLOCK_N)
     rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
     mn = pid_n * BLOCK_N + r % BLOCK_N < N
@@ -379,18 +486,28 @@ def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr, ws
     srow = rows[:, None] * (K // 32) + (ow // 4)[None, :]     # one e8m0 per 4 words
     w_e = w13_ptr + e * 2 * N * K8
     s_e = s13_ptr + e * 2 * N * (K // 32)
-    xrow = xp_ptr + t.to(tl.int64) * (K // 2) + ow           # int64 view of the pair-permuted fp32 row
     per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K8)
-    acc = tl.zeros([2 * BLOCK_N, BW], dtype=tl.float32)
-    for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-        mw = k8 + ow < K8
-        xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
-        acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+    if ACC16:
+        ob = tl.arange(0, BW // 4)
+        srow16 = rows[:, None] * (K // 32) + ob[None, :]
+        xrow16 = xp_ptr + t.to(tl.int64) * (K // 4) + ow     # int64 view of the f16 codes [2, K/8, 4]
+        xsrow = xs_ptr + t.to(tl.int64) * (K // 32) + ob
+        acc = tl.zeros([2 * BLOCK_N, BW // 4], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s_e + srow16 + k8 // 4, xrow16 + k8, K8, xsrow + k8 // 4,
+                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, 2 * BLOCK_N, BW, EVEN)
+    else:
+        xrow = xp_ptr + t.to(tl.int64) * (K // 2) + ow       # int64 view of the pair-permuted fp32 row
+        acc = tl.zeros([2 * BLOCK_N, BW], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            mw = k8 + ow < K8
+            xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
+            acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
     gu = tl.sum(acc, axis=1)
     if SPLIT == 1:
-        _w13_epilogue(gu, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N)
+        _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
     else:
         tile = p * tl.num_programs(1) + pid_n
         wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N + r
@@ -401,13 +518,15 @@ def _moe_w13_gemv_kernel(xp_ptr, w13_ptr, s13_ptr, hp_ptr, ids_ptr, topw_ptr, ws
             tot = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
             for sk in range(0, SPLIT):
                 tot += tl.load(wsp + sk * 2 * BLOCK_N, cache_modifier=".cg")
-            _w13_epilogue(tot, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N)
+            _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _w13_epilogue(gu, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N: tl.constexpr):
-    """g|u [2·BN] -> clipped SwiGLU × routing weight -> BF16 -> FP8 1×32 fake quant -> h (pair-permuted, ×2^6)."""
+def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N: tl.constexpr,
+                  ACC16: tl.constexpr):
+    """g|u [2·BN] -> clipped SwiGLU × routing weight -> BF16 -> FP8 1×32 fake quant -> h: pair-permuted fp32 ×2^6,
+    or (ACC16) f16 codes ×2^-4 [2, N/8, 4] + block scales ×2^10 (`gemv16_act`)."""
     g, u = tl.split(tl.trans(tl.reshape(gu, (2, BLOCK_N))))
     if limit > 0:
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -415,23 +534,33 @@ def _w13_epilogue(gu, hp_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N: tl
     h = g / (1.0 + tl.exp(-g)) * u * tl.load(topw_ptr + p)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.where(offs_n < N_VALID, h, 0.0)
-    h = tl.reshape(_fake_quant_cols(tl.reshape(h.to(tl.bfloat16).to(tl.float32), (BLOCK_N, 1)), BLOCK_N, 1),
-                   (BLOCK_N,))
-    tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm(offs_n, N), h * 64.0, mask=offs_n < N)
+    h = tl.reshape(h.to(tl.bfloat16).to(tl.float32), (BLOCK_N, 1))
+    if ACC16:
+        q, sc = _quant_cols(h, BLOCK_N, 1)
+        tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm16(offs_n, N), tl.reshape(q, (BLOCK_N,)) * 0.0625,
+                 mask=offs_n < N)
+        offs_b = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+        tl.store(hs_ptr + p.to(tl.int64) * (N // 32) + offs_b, tl.reshape(sc, (BLOCK_N // 32,)) * 1024.0,
+                 mask=offs_b < N // 32)
+    else:
+        h = tl.reshape(_fake_quant_cols(h, BLOCK_N, 1), (BLOCK_N,))
+        tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm(offs_n, N), h * 64.0, mask=offs_n < N)
 
 
 @triton.jit
-def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                        ACC16: tl.constexpr):
     """Pair p, output features [pid_n·BN, +BN), K slice pid_k of SPLIT: y = h_p·W2[e]ᵀ, atomically added (fp32)
-    into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum)."""
+    into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum).
+    ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
-    K8 = K // 8
+    K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     ow = tl.arange(0, BW)
@@ -439,15 +568,25 @@ def _moe_w2_gemv_kernel(hp_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, st
     srow = offs_n[:, None] * (K // 32) + (ow // 4)[None, :]
     w2_e = w2_ptr + e * N * K8
     s2_e = s2_ptr + e * N * (K // 32)
-    hrow = hp_ptr + p.to(tl.int64) * (K // 2) + ow
     per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K8)
-    acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-    for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-        mw = k8 + ow < K8
-        xa, xb, xc, xd = _mx_load_x(hrow + k8, K8, mw, EVEN)
-        acc = _mx_gemv_step(acc, w2_e + wrow + k8, s2_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+    if ACC16:
+        ob = tl.arange(0, BW // 4)
+        srow16 = offs_n[:, None] * (K // 32) + ob[None, :]
+        hrow16 = hp_ptr + p.to(tl.int64) * (K // 4) + ow
+        hsrow = hs_ptr + p.to(tl.int64) * (K // 32) + ob
+        acc = tl.zeros([BLOCK_N, BW // 4], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            acc = _mx_gemv16_step(acc, w2_e + wrow + k8, s2_e + srow16 + k8 // 4, hrow16 + k8, K8, hsrow + k8 // 4,
+                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, BLOCK_N, BW, EVEN)
+    else:
+        hrow = hp_ptr + p.to(tl.int64) * (K // 2) + ow
+        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            mw = k8 + ow < K8
+            xa, xb, xc, xd = _mx_load_x(hrow + k8, K8, mw, EVEN)
+            acc = _mx_gemv_step(acc, w2_e + wrow + k8, s2_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
     y = tl.sum(acc, axis=1)
     tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
 
@@ -469,30 +608,37 @@ class MoeConfig:
     warps2: int = 4         # w2 kernel
     split13: int = 1        # GEMV K slices (w13: reduced by the tile's last program; w2: atomic adds)
     split2: int = 1
+    acc16: bool = False     # GEMV: f16 in-block accumulation (`_mx_gemv16_step`), activations as f16 codes
+    stages2: int = 0        # w2 pipelining depth (0: `stages`)
 
     def tag(self) -> str:
-        kind = "gemv" if self.gemv else f"mma_m{self.block_m}"
+        kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
+        s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
-                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}")
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}")
+
+    @property
+    def xq_layout(self) -> str:
+        """The activation layout the config's expert GEMMs read (see `router`)."""
+        return ("gemv16" if self.acc16 else "gemv") if self.gemv else "bf16"
 
 
-def _gemv_split(tiles: int, k_iters: int, target: int = 4 * 132, max_split: int = 8) -> int:
-    """K slices so that about `target` programs run (the GEMV is issue-latency bound at ~7 warps per SM: first
-    H200 run), keeping >= 2 K steps per slice."""
-    if tiles >= target:
-        return 1
-    return max(1, min(-(-target // tiles), k_iters // 2, max_split))
+def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6) -> int:
+    """K slices so that about `target` programs run, keeping >= 2 K steps per slice. (H200 sweep,
+    benchmarks/moe_gemv_sweep_h200.json: with 4-warp tiles, ~400 programs is where the latency-bound GEMV stops
+    gaining from more warps and starts paying for the split-K reduction.)"""
+    return max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
 
 
-def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, pairs: int = 0, inter: int = 0,
-              dim: int = 0, split: bool = True) -> MoeConfig:
+def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: int, pairs: int, inter: int,
+              dim: int, acc16: bool = True, split2: int | None = None) -> MoeConfig:
     """GEMV warps sized so each thread holds 16 weight words (128 codes) per step: the activations it loads are
-    then reused over 4 rows (measured by SASS instruction counts: 4.6-4.7 instructions per weight element; 8
-    rows-words per thread or fewer cost 6-8). Split-K from the pair count when `split`."""
-    s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13) if split and pairs else 1
-    s2 = _gemv_split(pairs * -(-dim // bn2), inter // bk2) if split and pairs else 1
+    then reused over 4 rows (SASS: 8 rows-words per thread or fewer cost more instructions per weight element).
+    Split-K from the pair count (`_gemv_split`) unless given."""
+    s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13)
+    s2 = _gemv_split(pairs * -(-dim // bn2), -(-inter // bk2)) if split2 is None else split2
     return MoeConfig(True, bn13, bk13, bn2, bk2, max(1, 2 * bn13 * (bk13 // 8) // 512), stages, 16,
-                     max(1, bn2 * (bk2 // 8) // 512), s13, s2)
+                     max(1, bn2 * (bk2 // 8) // 512), s13, s2, acc16, stages2)
 
 
 def _div(n: int, want: int, floor: int) -> int:
@@ -504,12 +650,16 @@ def _div(n: int, want: int, floor: int) -> int:
 
 
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
-    """Decode (T·k <= 2E, i.e. about one token per active expert): the GEMV path; tiles dividing the shapes so the
-    loads need no masks (w13 64 rows of w1 + 64 of w3, 128 K per step; w2 128 rows). Larger M: the sorted
-    BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48 tokens)."""
+    """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
+    H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
+    w2 64 rows × 256 K for a long intermediate (TP1-like), 256 rows × 128 K, 2 K slices and no cp.async staging
+    for a short one (one TP8 rank: 320). Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the
+    average expert gets more than ~24/48 tokens)."""
     if t * topk <= 2 * n_experts:
-        return _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
-                         _div(inter, 128, 32), 4, t * topk, inter, dim)
+        bk13 = _div(dim, 256, 32)
+        if inter >= 1024:
+            return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
+        return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
     avg = t * topk / max(1, n_experts)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
     if bm == 16:
@@ -518,17 +668,19 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) 
 
 
 def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
-    """Tile candidates the bench times (the default first)."""
+    """Tile candidates the bench times (the default first): the fp32-accumulating GEMV at the default tiles and at
+    the previous default tiles, other f16 tilings, other split-K counts."""
     d = default_moe_config(t, topk, n_experts, inter, dim)
     out = [d]
     if d.gemv:
         p = t * topk
-        out += [dataclasses.replace(d, split13=1, split2=1),                  # no split-K (first run's default)
-                dataclasses.replace(d, stages=2),
-                _gemv_cfg(_div(inter, 32, 32), _div(dim, 128, 32), _div(dim, 64, 32), _div(inter, 128, 32), 4,
-                          p, inter, dim),
-                _gemv_cfg(_div(inter, 64, 32), _div(dim, 256, 32), _div(dim, 128, 32), _div(inter, 256, 32), 3,
-                          p, inter, dim)]
+        old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
+                        _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
+        out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
+                dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
+                dataclasses.replace(d, split13=min(6, 2 * d.split13)),
+                _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
+                _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
     return list(dict.fromkeys(out))
 
 
@@ -538,21 +690,55 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_act(xq: torch.Tensor) -> torch.Tensor:
-    """Natural [T, D] fake-quantized activation -> the decode GEMV's layout: fp32 [T, 4, D/4], entry (q, 2j + l) =
-    2^6·x[8j + 2q + l] (exact)."""
+    """Natural [T, D] fake-quantized activation -> the fp32 decode GEMV's layout: fp32 [T, 4, D/4], entry
+    (q, 2j + l) = 2^6·x[8j + 2q + l] (exact)."""
     t, d = xq.shape
     return (xq.float() * 64.0).view(t, d // 8, 4, 2).permute(0, 2, 1, 3).reshape(t, 4, d // 4).contiguous()
 
 
+def gemv16_act(xq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Natural [T, D] FP8 1×32 fake-quantized activation -> the f16-accumulating GEMV's layout: (codes f16
+    [T, 2, D/8, 4], entry (p, j, i) = c[8j + 2i + p]·2^-4, and block scales fp32 [T, D/32] = 2^(e + 10)), where
+    x = c·2^e per 32-block with |c| <= 448 (the e4m3 codes, recovered exactly from the pow2 block scale)."""
+    t, d = xq.shape
+    v = xq.float().view(t, d // QBLOCK, QBLOCK)
+    e = torch.ceil(torch.log2(v.abs().amax(-1).clamp_min(1e-30) / 448.0))
+    codes = (v * torch.exp2(-e)[..., None] * 0.0625).view(t, d // 8, 4, 2).permute(0, 3, 1, 2)
+    return codes.to(torch.float16).contiguous(), torch.exp2(e + 10.0).contiguous()
+
+
+def natural_act(xq) -> torch.Tensor:
+    """Any of the expert GEMMs' activation layouts (BF16 [T, D], `gemv_act`'s, `gemv16_act`'s) -> BF16 [T, D]."""
+    if isinstance(xq, tuple):
+        codes, sc = xq
+        t, d = codes.shape[0], codes.shape[2] * 8
+        v = codes.float().permute(0, 2, 3, 1).reshape(t, d // QBLOCK, QBLOCK) * (sc / 64.0)[..., None]
+        return v.reshape(t, d).to(torch.bfloat16)
+    if xq.dim() == 3:
+        t, d = xq.shape[0], xq.shape[1] * xq.shape[2]
+        return (xq / 64.0).view(t, 4, d // 8, 2).permute(0, 2, 1, 3).reshape(t, d).to(torch.bfloat16)
+    return xq
+
+
+def as_layout(xq, layout: str):
+    """The activation in `layout` ("bf16", "gemv", "gemv16"), converted only when it is in another one."""
+    have = "gemv16" if isinstance(xq, tuple) else ("gemv" if xq.dim() == 3 else "bf16")
+    if have == layout:
+        return xq
+    nat = natural_act(xq)
+    return {"bf16": lambda: nat, "gemv": lambda: gemv_act(nat), "gemv16": lambda: gemv16_act(nat)}[layout]()
+
+
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
            gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16"
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
     """x [T, D] BF16, gate_w [E, D] BF16, bias [E] fp32 -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
-    1×32 fake-quantized activation the expert GEMMs read, BF16 [T, D] (xq_layout "bf16"), or in the decode GEMV's
-    layout fp32 [T, 4, D/4] ("gemv", see `gemv_act`), or None."""
+    1×32 fake-quantized activation the expert GEMMs read, BF16 [T, D] (xq_layout "bf16"), or in a decode GEMV's
+    layout: fp32 [T, 4, D/4] ("gemv", see `gemv_act`) or (f16 codes, block scales) ("gemv16", see `gemv16_act`);
+    or None."""
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, (tuple(x.shape), x.dtype)
     assert gate_w.dtype == torch.bfloat16 and gate_w.is_contiguous() and gate_w.shape[1] == x.shape[1]
-    assert xq_layout in (None, "bf16", "gemv"), xq_layout
+    assert xq_layout in (None, "bf16", "gemv", "gemv16"), xq_layout
     t, d = x.shape
     e = gate_w.shape[0]
     assert bias.shape == (e,) and bias.dtype == torch.float32 and bias.is_contiguous()
@@ -565,6 +751,9 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
         xq = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
     elif xq_layout == "gemv":
         xq = torch.empty((t, 4, d // 4), dtype=torch.float32, device=dev)
+    elif xq_layout == "gemv16":
+        xq = (torch.empty((t, 2, d // 8, 4), dtype=torch.float16, device=dev),
+              torch.empty((t, d // QBLOCK), dtype=torch.float32, device=dev))
     if t == 0:
         return w, ids, xq
     bt = 16 if t <= 16 else 64
@@ -574,9 +763,9 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))    # ~2 programs per SM (first run: 6-24 ran)
     logits = torch.empty((split, t, e), dtype=torch.float32, device=dev)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt), split)](
-        x, gate_w, logits, xq if xq is not None else x, t, e, d, x.stride(0), gate_w.stride(0), e,
-        d, split, t * e, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3, WRITE_XQ=xq is not None,
-        XQ_PERM=xq_layout == "gemv", num_warps=4)
+        x, gate_w, logits, *(xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)), t, e, d,
+        x.stride(0), gate_w.stride(0), e, d, split, t * e, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3,
+        WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0), num_warps=4)
     nb = triton.next_power_of_2(e)
     btk = max(1, min(16, 2048 // nb))
     _router_topk_kernel[(triton.cdiv(t, btk),)](
@@ -630,56 +819,78 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-def gemv_w13(xp: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
-             inter: int, swiglu_limit: float, cfg: MoeConfig) -> torch.Tensor:
-    """Decode path, first GEMM: h fp32 [T·k, I_pad] (pair-permuted ×2^6) for every (token, slot) pair."""
-    p, d = ids.numel(), xp.shape[1] * xp.shape[2]
+def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
+             inter: int, swiglu_limit: float, cfg: MoeConfig):
+    """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
+    [T·k, I_pad] (pair-permuted ×2^6), or (acc16) f16 codes [T·k, 2, I_pad/8, 4] + block scales [T·k, I_pad/32].
+    xp: the activation in `cfg.xq_layout`."""
+    codes, xs = xp if cfg.acc16 else (xp, xp)
+    p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2
     assert cfg.gemv and ipad % 8 == 0 and cfg.bn13 % 32 == 0 and cfg.bk13 % 32 == 0, cfg
-    hp = torch.empty((p, ipad), dtype=torch.float32, device=xp.device)
+    assert codes.dtype == (torch.float16 if cfg.acc16 else torch.float32) and codes.is_contiguous(), \
+        f"activation layout {codes.dtype} does not match the config's {cfg.xq_layout}"
+    if cfg.acc16:
+        hp = (torch.empty((p, 2, ipad // 8, 4), dtype=torch.float16, device=codes.device),
+              torch.empty((p, ipad // QBLOCK), dtype=torch.float32, device=codes.device))
+    else:
+        hp = torch.empty((p, ipad), dtype=torch.float32, device=codes.device)
+    hq, hs = hp if cfg.acc16 else (hp, hp)
     even = ipad % cfg.bn13 == 0 and d % cfg.bk13 == 0
     n_tiles = triton.cdiv(ipad, cfg.bn13)
     split = max(1, min(cfg.split13, d // cfg.bk13))
-    ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=xp.device) if split > 1 else hp
-    cnt = _counter(xp.device, p * n_tiles) if split > 1 else ids
+    ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=codes.device) \
+        if split > 1 else hq
+    cnt = _counter(codes.device, p * n_tiles) if split > 1 else ids
     _moe_w13_gemv_kernel[(p, n_tiles, split)](
-        xp.view(torch.int64), w13_q.view(torch.int32), _u8(w13_s), hp, ids, weights, ws, cnt,
+        codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
-        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps)
+        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps)
     return hp
 
 
-def gemv_w2(hp: torch.Tensor, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
+def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
             cfg: MoeConfig) -> torch.Tensor:
-    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds)."""
-    p, ipad = hp.shape
+    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds); hp as `gemv_w13` returns it."""
+    hq, hs = hp if cfg.acc16 else (hp, hp)
+    p, ipad = hq.shape[0], hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
     _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
-        hp.view(torch.int64), w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
-        SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages, EVEN=even, num_warps=cfg.warps2)
+        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
+        SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
+        ACC16=cfg.acc16, num_warps=cfg.warps2)
     return out
 
 
-def moe_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
                 w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
                 swiglu_limit: float, inter: int | None = None, shared: torch.Tensor | None = None,
                 config: MoeConfig | None = None) -> torch.Tensor:
     """Routed MXFP4 experts + the shared expert's output -> fp32 [T, D] (before the TP all-reduce).
 
-    xq: the fake-quantized activation from `router`, BF16 [T, D] or the GEMV layout fp32 [T, 4, D/4] (converted when
-    the chosen path needs the other one); weights fp32 / ids int32 [T, k]; w13_q int8 [E, 2·I_pad, D/2] (w1 rows, then
-    w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8 [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain
-    MXFP4: low nibble = even k); inter = the logical intermediate width (<= I_pad: padded columns contribute
-    nothing); shared: [T, D] any float dtype, or None. No host sync; the work buffers are the only allocations."""
-    if xq.dim() == 3:
+    xq: the fake-quantized activation from `router`, BF16 [T, D] or a decode GEMV's layout (`gemv_act`,
+    `gemv16_act`; converted when the chosen config reads another one); weights fp32 / ids int32 [T, k]; w13_q int8
+    [E, 2·I_pad, D/2] (w1 rows, then w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8
+    [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain MXFP4: low nibble = even k); inter = the logical intermediate
+    width (<= I_pad: padded columns contribute nothing); shared: [T, D] any float dtype, or None. No host sync; the
+    work buffers are the only allocations."""
+    if isinstance(xq, tuple):
+        codes, sc = xq
+        t, d = codes.shape[0], codes.shape[2] * 8
+        assert codes.dtype == torch.float16 and codes.shape == (t, 2, d // 8, 4) and sc.shape == (t, d // QBLOCK) \
+            and sc.dtype == torch.float32, (tuple(codes.shape), codes.dtype, tuple(sc.shape), sc.dtype)
+        dev = codes.device
+    elif xq.dim() == 3:
         t, d = xq.shape[0], xq.shape[1] * xq.shape[2]
         assert xq.dtype == torch.float32 and xq.shape[1] == 4 and xq.is_contiguous(), (tuple(xq.shape), xq.dtype)
+        dev = xq.device
     else:
         assert xq.dim() == 2 and xq.dtype == torch.bfloat16 and xq.stride(1) == 1, (tuple(xq.shape), xq.dtype)
         t, d = xq.shape
+        dev = xq.device
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
     inter = ipad if inter is None else inter
     assert 0 < inter <= ipad and ipad % QBLOCK == 0 and d % QBLOCK == 0, (inter, ipad, d)
@@ -689,7 +900,6 @@ def moe_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     topk = ids.shape[1]
     cfg = config or default_moe_config(t, topk, e, ipad, d)
-    dev = xq.device
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
         out = shared.to(torch.float32, copy=True).contiguous()
@@ -698,14 +908,11 @@ def moe_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if t == 0:
         return out
     p = t * topk
+    xq = as_layout(xq, cfg.xq_layout)
     if cfg.gemv:
-        if xq.dim() == 2:
-            xq = gemv_act(xq)
         hp = gemv_w13(xq, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg)
         return gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
     assert d % cfg.bk13 == 0 and ipad % cfg.bk2 == 0 and cfg.bn13 % 32 == 0, (cfg, d, ipad)
-    if xq.dim() == 3:
-        xq = (xq / 64.0).view(t, 4, d // 8, 2).permute(0, 2, 1, 3).reshape(t, d).to(torch.bfloat16)
     sorted_ids, off = moe_align(ids, e, cfg.block_m)
     nblk = sorted_ids.numel() // cfg.block_m
     nb = triton.next_power_of_2(e + 1)
@@ -733,5 +940,5 @@ def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: in
     """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked)."""
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
     cfg = config or default_moe_config(x.shape[0], topk, e, ipad, x.shape[1])
-    w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout="gemv" if cfg.gemv else "bf16")
+    w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout=cfg.xq_layout)
     return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg)

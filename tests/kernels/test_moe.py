@@ -4,6 +4,8 @@ V4.1-Flash shapes: hidden 5120, 384 experts, top-6; intermediate 2304 (TP1) and 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,13 +60,17 @@ def _split(w13_q, w13_s, ipad):
 
 @pytest.mark.parametrize("m", MS)
 def test_router(m, gate):
-    from dsflash.plugins.moe import gemv_act, router
+    from dsflash.plugins.moe import gemv_act, natural_act, router
     gw, bias = gate
     x = _x(m, 10 + m)
     w, ids, xq = router(x, gw, bias, TOPK, SCALE)
     _, _, xp = router(x, gw, bias, TOPK, SCALE, xq_layout="gemv")
+    _, _, (codes, sc) = router(x, gw, bias, TOPK, SCALE, xq_layout="gemv16")
     xq_ref = refs.fp8_fake_quant_ref(x)
     assert torch.equal(xq, xq_ref) and torch.equal(xp, gemv_act(xq_ref))
+    # the f16-code layout: e4m3 codes (×2^-4) and pow2 block scales that multiply back to the same activation
+    assert torch.equal(natural_act((codes, sc)), xq_ref) and float(codes.abs().max()) <= 448 / 16
+    assert torch.equal(torch.exp2(torch.log2(sc).round()), sc)
     w_ref, ids_ref = refs.router_ref(x, gw, bias, TOPK, SCALE)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
@@ -110,6 +116,9 @@ def test_moe_experts(m, experts, gate):
     # both paths at every M: the decode GEMV and the sorted BF16-MMA path
     cfgs += [MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)] if cfgs[0].gemv else [MoeConfig(True, 32, 128, 128, 64,
                                                                                              2, 4, 16, 2)]
+    # both decode GEMV accumulations (fp32 and f16 in-block), split-K and not
+    gemv = next(c for c in cfgs if c.gemv)
+    cfgs += [dataclasses.replace(gemv, acc16=not gemv.acc16), dataclasses.replace(gemv, acc16=True, split13=3, split2=2)]
     ids32 = ids.to(torch.int32)
     for cfg in cfgs:
         out = moe_experts(xq, w, ids32, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)
@@ -159,3 +168,23 @@ def test_moe_cuda_graph_and_registry(experts, gate):
     assert refs.rel_err(y, want) < 1e-6
     w, ids = torch.ops.dsflash.moe_router(x, gw, bias, TOPK, SCALE)
     assert ids.shape == (1, TOPK) and ids.dtype == torch.int32
+
+
+@pytest.mark.parametrize("acc16", [False, True])
+def test_moe_gemv_uneven_tiles(acc16):
+    """Decode GEMVs whose tiles do not divide the shapes (masked loads): D = 352, I = 96 with 64-row / 128-K
+    tiles, 3 tokens over 8 experts, split-K on."""
+    from dsflash.plugins.moe import MoeConfig, moe_experts
+    e, d, inter, topk = 8, 352, 96, 3
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
+    w2_q, w2_s = _mx(e, d, inter, gen)
+    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    x = _x(3, 400)[:, :d].contiguous()
+    ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:topk] for _ in range(3)])
+    w = torch.rand(3, topk, device=DEV, generator=gen)
+    ref = refs.moe_experts_ref(x, w, ids, *_split(w13_q, w13_s, inter), w2_q, w2_s, LIMIT, inter, None)
+    cfg = MoeConfig(True, 64, 128, 128, 64, 4, 3, 16, 4, 2, 2, acc16)
+    out = moe_experts(refs.fp8_fake_quant_ref(x), w, ids.to(torch.int32), w13_q, w13_s, w2_q, w2_s, LIMIT, inter,
+                      None, cfg)
+    assert refs.rel_err(out, ref) < 1e-2, (acc16, refs.rel_err(out, ref))
