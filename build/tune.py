@@ -166,7 +166,7 @@ def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
         cfg = GemmConfig.from_dict(cand["config"])
 
         def fp8_linear(x, w):
-            return fp8_gemm(*act_quant(x, "e8m0"), *w, cfg)
+            return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), *w, cfg)
         calls = [functools.partial(fp8_linear, x, w) for x, w in zip(inp.xs, inp.ws)]
     # first call compiles; a config that launches but computes wrong must not win on speed
     err = refs.rel_err(calls[0](), inp.ref())

@@ -58,7 +58,7 @@ def _act_quant_kernel(
     stride_x, stride_y, stride_q, stride_s, stride_dq,
     eps,
     HAS_NORM: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr,
-    SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr, CODES16: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, CHUNK_G)
@@ -86,6 +86,8 @@ def _act_quant_kernel(
         kg = k0 // 32 + g
         gmask = kg < K // 32
         if WRITE_Q:
+            if CODES16:   # the f16-accumulating GEMV's activation: the e4m3 values × 2^-8 as f16 (exact)
+                q = (q.to(tl.float32) * 0.00390625).to(tl.float16)
             _store_q_scale(q, e, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + kg, mask, gmask,
                            SCALE_E8M0)
         if WRITE_DQ:
@@ -108,7 +110,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: bool, write_q: bool,
-            write_dq: bool, scale_fmt: str):
+            write_dq: bool, scale_fmt: str, codes16: bool = False):
     assert scale_fmt in ("fp32", "e8m0"), scale_fmt
     x2 = _rows(x)
     m, k = x2.shape
@@ -117,7 +119,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: b
     if weight is not None:
         assert weight.shape == (k,) and weight.is_contiguous(), (tuple(weight.shape), k)
     y = torch.empty((m, k), dtype=x.dtype, device=dev) if write_y else None
-    q = torch.empty((m, k), dtype=E4M3, device=dev) if write_q else None
+    q = torch.empty((m, k), dtype=torch.float16 if codes16 else E4M3, device=dev) if write_q else None
     s = (torch.empty((m, k // QBLOCK), dtype=torch.uint8 if scale_fmt == "e8m0" else torch.float32, device=dev)
          if write_q else None)
     dq = torch.empty((m, k), dtype=x.dtype, device=dev) if write_dq else None
@@ -131,16 +133,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: b
             x2.stride(0), k, k, k // QBLOCK, k,
             float(eps),
             HAS_NORM=weight is not None, WRITE_Y=write_y, WRITE_Q=write_q, WRITE_DQ=write_dq,
-            SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=cg, num_warps=warps)
+            SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=cg, CODES16=codes16, num_warps=warps)
     if s is not None and scale_fmt == "e8m0":
         s = s.view(E8M0)
     shp = lambda t, last: None if t is None else t.reshape(*lead, last)  # noqa: E731
     return shp(y, k), shp(q, k), shp(s, k // QBLOCK), shp(dq, k)
 
 
-def act_quant(x: torch.Tensor, scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] bf16/fp16/fp32 (K % 32 == 0, last dim contiguous) -> (e4m3 [..., K], scales [..., K/32] fp32|e8m0)."""
-    _, q, s, _ = _launch(x, None, 0.0, False, True, False, scale_fmt)
+def act_quant(x: torch.Tensor, scale_fmt: str = "fp32", codes16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] bf16/fp16/fp32 (K % 32 == 0, last dim contiguous) -> (e4m3 [..., K], scales [..., K/32] fp32|e8m0).
+    codes16: the codes as f16 values × 2^-8 instead of e4m3 (`codes16_ref`; what `GemmConfig.acc16` GEMVs read)."""
+    _, q, s, _ = _launch(x, None, 0.0, False, True, False, scale_fmt, codes16)
     return q, s
 
 

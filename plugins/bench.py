@@ -219,6 +219,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                     ws.append((w_q, w_s))
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 acts = [refs.act_quant_ref(x) for x in xs]
+                acts16 = [(refs.codes16_ref(q), s) for q, s in acts]   # what acc16 GEMVs read
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
                 flops = 2 * m * n * k
                 # reference path: torch fake-quant + F.linear on the dequantized BF16 weight (what model_def runs)
@@ -234,9 +235,10 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                         if cfg.tiled_w and (cfg.block_p, cfg.kgroups) not in tiled:
                             tiled[(cfg.block_p, cfg.kgroups)] = [tile_weight(wp[0], cfg) for wp in ws]
                         wt = tiled[(cfg.block_p, cfg.kgroups)] if cfg.tiled_w else [None] * n_sets
-                        out = fp8_gemm(*acts[0], *ws[0], cfg, w_tiled=wt[0])
+                        a = acts16 if cfg.acc16 else acts
+                        out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0])
                         err = refs.rel_err(out, ref32)
-                        us, how = graph_time_us([lambda i=i, c=cfg, wt=wt: fp8_gemm(*acts[i], *ws[i], c, w_tiled=wt[i])
+                        us, how = graph_time_us([lambda i=i, c=cfg, wt=wt, a=a: fp8_gemm(*a[i], *ws[i], c, w_tiled=wt[i])
                                                   for i in range(n_sets)])
                     except Exception as e:  # a config that fails to compile/launch is reported, not fatal
                         rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),

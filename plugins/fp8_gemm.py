@@ -137,9 +137,13 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     `tiled_w` config.
     """
     assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
-    assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
     m, k = a_q.shape
     n, kw = w_q.shape
+    cfg = config or tuning.get_config(n, k, m)
+    if cfg.gemv:   # CUDA-core split-K GEMV for M <= 8 (fp8_gemv.py; it checks its operands); w_tiled is not used
+        from dsflash.plugins.fp8_gemv import fp8_gemv
+        return fp8_gemv(a_q, a_s, w_q, w_s, cfg, out=out)
+    assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
     assert k == kw and k % QBLOCK == 0, f"K mismatch or not a multiple of 32: A {tuple(a_q.shape)}, W {tuple(w_q.shape)}"
     assert a_q.stride(1) == 1 and w_q.is_contiguous(), "A needs contiguous K, W must be contiguous"
     assert a_q.stride(0) % 16 == 0 and a_q.data_ptr() % 16 == 0 and w_q.data_ptr() % 16 == 0, \
@@ -147,10 +151,6 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     assert tuple(a_s.shape) == (m, k // QBLOCK) and a_s.stride(1) == 1, (tuple(a_s.shape), m, k)
     assert tuple(w_s.shape) == (-(-n // QBLOCK), k // QBLOCK) and w_s.is_contiguous(), (tuple(w_s.shape), n, k)
     assert a_q.device == w_q.device == a_s.device == w_s.device
-    cfg = config or tuning.get_config(n, k, m)
-    if cfg.gemv:   # CUDA-core split-K GEMV for M <= 8 (fp8_gemv.py); w_tiled is not used
-        from dsflash.plugins.fp8_gemv import fp8_gemv
-        return fp8_gemv(a_q, a_s, w_q, w_s, cfg, out=out)
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
     assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16

@@ -61,6 +61,12 @@ def act_quant_ref(x: torch.Tensor, scale_fmt: str = "fp32") -> tuple[torch.Tenso
     return q, (scale_to_e8m0(s) if scale_fmt == "e8m0" else s)
 
 
+def codes16_ref(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 activation codes -> the same values × 2^-8 as f16 (exact: e4m3 subnormals stay f16 subnormals), the
+    activation format of the f16-accumulating GEMV (`GemmConfig.acc16`)."""
+    return (q.float() * 2.0 ** -8).to(torch.float16)
+
+
 def act_dequant_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(e4m3 [..., K], scales [..., K/32]) -> values in `dtype` (exact for bf16: e4m3 times a power of two)."""
     return (q.float() * _expand_cols(scale_to_fp32(s))).to(dtype)

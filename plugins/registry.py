@@ -114,7 +114,7 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = N
         path, cfg = tuning.lookup(n, k, x.shape[0])
         if path == "bf16cache" and w_bf16 is not None:
             return bf16_cache_gemm(x, w_bf16)
-        return gemm(*quant(x, "e8m0"), w_q, w_s, cfg)
+        return gemm(*quant(x, "e8m0", codes16=cfg.acc16), w_q, w_s, cfg)
     return refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s)
 
 

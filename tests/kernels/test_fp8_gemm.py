@@ -26,7 +26,8 @@ def test_fp8_gemm_all_candidates(m, n, k):
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
     for cfg in tuning.candidates(n, k, m):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)   # poisoned
-        fp8_gemm(a_q, a_s, w_q, w_s, cfg, out=out, w_tiled=tile_weight(w_q, cfg) if cfg.tiled_w else None)
+        a_in = refs.codes16_ref(a_q) if cfg.acc16 else a_q   # acc16 GEMVs read f16 codes
+        fp8_gemm(a_in, a_s, w_q, w_s, cfg, out=out, w_tiled=tile_weight(w_q, cfg) if cfg.tiled_w else None)
         err = refs.rel_err(out, ref)
         assert err < 1e-2, (cfg.tag(), err)
 

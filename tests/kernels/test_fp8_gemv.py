@@ -21,17 +21,18 @@ def _operands(m: int, n: int, k: int, a_fmt: str = "fp32"):
     return a_q, a_s, w_q[:n].contiguous(), w_s
 
 
-def _cfg(bn: int, bk: int, split: int, warps: int = 4, stages: int = 1) -> tuning.GemmConfig:
-    return tuning.GemmConfig(bn, 8, split, warps, stages, swap_ab=True, gemv=True, block_k=bk)
+def _cfg(bn: int, bk: int, split: int, warps: int = 4, stages: int = 1, acc16: bool = False) -> tuning.GemmConfig:
+    return tuning.GemmConfig(bn, 8, split, warps, stages, swap_ab=True, gemv=True, block_k=bk, acc16=acc16)
 
 
 def _check(a_q, a_s, w_q, w_s, cfg, tol: float = 1e-2) -> None:
     from dsflash.plugins.fp8_gemm import fp8_gemm
     from dsflash.plugins.fp8_gemv import fp8_gemv
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
+    a_in = refs.codes16_ref(a_q) if cfg.acc16 else a_q
     for fn in (fp8_gemv, fp8_gemm):
         out = torch.full((a_q.shape[0], w_q.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEV)   # poisoned
-        fn(a_q, a_s, w_q, w_s, cfg, out=out)
+        fn(a_in, a_s, w_q, w_s, cfg, out=out)
         err = refs.rel_err(out, ref)
         assert err < tol, (fn.__name__, cfg.tag(), err)
 
@@ -45,6 +46,28 @@ def test_fp8_gemv_shapes_and_splits(m, n, k, bn, bk, split, warps):
     fewer K tiles than slices)."""
     torch.manual_seed(m * 7 + n + k)
     _check(*_operands(m, n, k), _cfg(bn, bk, split, warps))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n,k", [(4600, 5120), (1000, 1056), (4096, 1280)])
+@pytest.mark.parametrize("bn,bk,split,warps", [(4, 1024, 1, 1), (4, 2048, 3, 2), (8, 1024, 2, 1), (2, 2048, 5, 2),
+                                                (16, 512, 1, 1)])
+def test_fp8_gemv16_shapes_and_splits(m, n, k, bn, bk, split, warps):
+    """f16 in-block accumulation (acc16): the activation as f16 codes; K and N tails, splits."""
+    torch.manual_seed(m * 11 + n + k)
+    _check(*_operands(m, n, k), _cfg(bn, bk, split, warps, acc16=True))
+
+
+def test_fp8_gemv16_reads_f16_codes():
+    from dsflash.plugins.act_quant import act_quant
+    from dsflash.plugins.fp8_gemv import fp8_gemv
+    a_q, a_s, w_q, w_s = _operands(3, 256, 1024)
+    with pytest.raises(AssertionError, match="codes16"):
+        fp8_gemv(a_q, a_s, w_q, w_s, _cfg(4, 1024, 1, 1, acc16=True))
+    x = (torch.randn(3, 1024, device=DEV) * 3).to(torch.bfloat16)
+    q16, s16 = act_quant(x, "e8m0", codes16=True)
+    q, s = refs.act_quant_ref(x, "e8m0")
+    assert q16.dtype == torch.float16 and torch.equal(q16, refs.codes16_ref(q)) and torch.equal(s16, s)
 
 
 @pytest.mark.parametrize("m", [1, 5, 8])

@@ -194,4 +194,5 @@ def test_fp8_gemm_tunes_on_the_gpu():
     for e in data["entries"]:
         assert 0 < e["time_us"] < float("inf") and e["time_us"] == min(e["candidates"].values())
     table = gemm_table(data)
-    assert len(table) == 13 * len(dense_gemm_shapes(eng))
+    # buckets 1, 2, 4, ..., 64 (max_num_tokens): gemm_table never extends a tuned bucket upward
+    assert len(table) == 7 * len(dense_gemm_shapes(eng))
