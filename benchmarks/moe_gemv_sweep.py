@@ -82,10 +82,10 @@ def main() -> None:
                         break
                     if name == "w13":
                         cfg = dataclasses.replace(base, bn13=bn, bk13=bk, split13=split, stages=stages, acc16=acc16,
-                                                  warps=max(1, 2 * bn * (bk // 8) // 512))
+                                                  warps=M.gemv_warps(2 * bn, bk))
                     else:
                         cfg = dataclasses.replace(base, bn2=bn, bk2=bk, split2=split, stages=stages, acc16=acc16,
-                                                  warps2=max(1, bn * (bk // 8) // 512))
+                                                  warps2=M.gemv_warps(bn, bk))
                     x_in = lay[cfg.xq_layout]
                     try:
                         if name == "w13":

@@ -123,6 +123,24 @@ def tile_weight(w_q: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
     return pad.view(nt, bp, kt, bk).permute(0, 2, 1, 3).contiguous().view(nt * kt * bp, bk).view(E4M3)
 
 
+def gemm_operands(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """The shape/stride/device contract every group-32 GEMM path shares (`fp8_gemm`, `fp8_gemv`; dtypes and
+    alignment are each path's own) -> the BF16 [M, N] output (allocated when `out` is None)."""
+    assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
+    m, k = a_q.shape
+    n, kw = w_q.shape
+    assert k == kw and k % QBLOCK == 0, f"K mismatch or not a multiple of 32: A {tuple(a_q.shape)}, W {tuple(w_q.shape)}"
+    assert a_q.stride(1) == 1 and w_q.is_contiguous(), "A needs contiguous K, W must be contiguous"
+    assert tuple(a_s.shape) == (m, k // QBLOCK) and a_s.stride(1) == 1, (tuple(a_s.shape), m, k)
+    assert tuple(w_s.shape) == (-(-n // QBLOCK), k // QBLOCK) and w_s.is_contiguous(), (tuple(w_s.shape), n, k)
+    assert a_q.device == w_q.device == a_s.device == w_s.device
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
+    return out
+
+
 def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
              config: GemmConfig | None = None, out: torch.Tensor | None = None,
              w_tiled: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,16 +162,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         from dsflash.plugins.fp8_gemv import fp8_gemv
         return fp8_gemv(a_q, a_s, w_q, w_s, cfg, out=out)
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
-    assert k == kw and k % QBLOCK == 0, f"K mismatch or not a multiple of 32: A {tuple(a_q.shape)}, W {tuple(w_q.shape)}"
-    assert a_q.stride(1) == 1 and w_q.is_contiguous(), "A needs contiguous K, W must be contiguous"
     assert a_q.stride(0) % 16 == 0 and a_q.data_ptr() % 16 == 0 and w_q.data_ptr() % 16 == 0, \
         "TMA needs 16-byte aligned bases and row strides"
-    assert tuple(a_s.shape) == (m, k // QBLOCK) and a_s.stride(1) == 1, (tuple(a_s.shape), m, k)
-    assert tuple(w_s.shape) == (-(-n // QBLOCK), k // QBLOCK) and w_s.is_contiguous(), (tuple(w_s.shape), n, k)
-    assert a_q.device == w_q.device == a_s.device == w_s.device
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
-    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
+    out = gemm_operands(a_q, a_s, w_q, w_s, out)
     if m == 0 or n == 0:
         return out
     sa, sa_e8 = _scale_arg(a_s)

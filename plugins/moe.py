@@ -449,6 +449,37 @@ def _mx_gemv16_step(acc, w_ptrs, s_ptrs, x_ptrs, K8, xs_ptrs, mw, mb, mn,
 
 
 @triton.jit
+def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                 BW: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
+    """The decode GEMVs' K loop: [ROWS] fp32 dots of weight rows `rows` of one expert (words at w_e, e8m0 scales at
+    s_e) with activation row xi, over K slice pid_k of SPLIT; the activation in the fp32 GEMV layout at x_ptr, or
+    (ACC16) as f16 codes at x_ptr with block scales at xs_ptr."""
+    ow = tl.arange(0, BW)
+    wrow = rows[:, None] * K8 + ow[None, :]                  # int32 words [ROWS, BW] within the expert
+    per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
+    k_lo = pid_k * per
+    k_hi = tl.minimum(k_lo + per, K8)
+    if ACC16:
+        ob = tl.arange(0, BW // 4)
+        srow = rows[:, None] * (K // 32) + ob[None, :]       # one e8m0 per 32-block
+        xrow = x_ptr + xi * (K // 4) + ow                    # int64 view of the f16 codes [2, K/8, 4]
+        xsrow = xs_ptr + xi * (K // 32) + ob
+        acc = tl.zeros([ROWS, BW // 4], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xrow + k8, K8, xsrow + k8 // 4,
+                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, ROWS, BW, EVEN)
+    else:
+        srow = rows[:, None] * (K // 32) + (ow // 4)[None, :]   # one e8m0 per 4 words
+        xrow = x_ptr + xi * (K // 2) + ow                    # int64 view of the pair-permuted fp32 row
+        acc = tl.zeros([ROWS, BW], dtype=tl.float32)
+        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            mw = k8 + ow < K8
+            xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
+            acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _pair_perm(n, N):
     """Index of element n of a row of N in the pair-permuted fp32 layout [4, N/8, 2]."""
     return ((n % 8) // 2) * (N // 4) + (n // 8) * 2 + n % 2
@@ -481,31 +512,10 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     r = tl.arange(0, 2 * BLOCK_N)
     rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
     mn = pid_n * BLOCK_N + r % BLOCK_N < N
-    ow = tl.arange(0, BW)
-    wrow = rows[:, None] * K8 + ow[None, :]                  # int32 words [2BN, BW] within the expert
-    srow = rows[:, None] * (K // 32) + (ow // 4)[None, :]     # one e8m0 per 4 words
     w_e = w13_ptr + e * 2 * N * K8
     s_e = s13_ptr + e * 2 * N * (K // 32)
-    per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
-    k_lo = pid_k * per
-    k_hi = tl.minimum(k_lo + per, K8)
-    if ACC16:
-        ob = tl.arange(0, BW // 4)
-        srow16 = rows[:, None] * (K // 32) + ob[None, :]
-        xrow16 = xp_ptr + t.to(tl.int64) * (K // 4) + ow     # int64 view of the f16 codes [2, K/8, 4]
-        xsrow = xs_ptr + t.to(tl.int64) * (K // 32) + ob
-        acc = tl.zeros([2 * BLOCK_N, BW // 4], dtype=tl.float32)
-        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s_e + srow16 + k8 // 4, xrow16 + k8, K8, xsrow + k8 // 4,
-                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, 2 * BLOCK_N, BW, EVEN)
-    else:
-        xrow = xp_ptr + t.to(tl.int64) * (K // 2) + ow       # int64 view of the pair-permuted fp32 row
-        acc = tl.zeros([2 * BLOCK_N, BW], dtype=tl.float32)
-        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-            mw = k8 + ow < K8
-            xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
-            acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
-    gu = tl.sum(acc, axis=1)
+    gu = _mx_row_dots(w_e, s_e, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64), K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW,
+                      NUM_STAGES, EVEN, ACC16)
     if SPLIT == 1:
         _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
     else:
@@ -563,31 +573,10 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
-    ow = tl.arange(0, BW)
-    wrow = offs_n[:, None] * K8 + ow[None, :]
-    srow = offs_n[:, None] * (K // 32) + (ow // 4)[None, :]
     w2_e = w2_ptr + e * N * K8
     s2_e = s2_ptr + e * N * (K // 32)
-    per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
-    k_lo = pid_k * per
-    k_hi = tl.minimum(k_lo + per, K8)
-    if ACC16:
-        ob = tl.arange(0, BW // 4)
-        srow16 = offs_n[:, None] * (K // 32) + ob[None, :]
-        hrow16 = hp_ptr + p.to(tl.int64) * (K // 4) + ow
-        hsrow = hs_ptr + p.to(tl.int64) * (K // 32) + ob
-        acc = tl.zeros([BLOCK_N, BW // 4], dtype=tl.float32)
-        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-            acc = _mx_gemv16_step(acc, w2_e + wrow + k8, s2_e + srow16 + k8 // 4, hrow16 + k8, K8, hsrow + k8 // 4,
-                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, BLOCK_N, BW, EVEN)
-    else:
-        hrow = hp_ptr + p.to(tl.int64) * (K // 2) + ow
-        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-        for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-            mw = k8 + ow < K8
-            xa, xb, xc, xd = _mx_load_x(hrow + k8, K8, mw, EVEN)
-            acc = _mx_gemv_step(acc, w2_e + wrow + k8, s2_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
-    y = tl.sum(acc, axis=1)
+    y = _mx_row_dots(w2_e, s2_e, offs_n, mn, hp_ptr, hs_ptr, p.to(tl.int64), K, K8, pid_k, SPLIT, BLOCK_N, BW,
+                     NUM_STAGES, EVEN, ACC16)
     tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
 
 
@@ -630,15 +619,21 @@ def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6)
     return max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
 
 
+def gemv_warps(rows: int, bk: int) -> int:
+    """Warps of a decode GEMV tile of `rows` weight rows × bk K: each thread holds 16 weight words (128 codes) per
+    step, so the activations it loads are reused over 4 rows (SASS: 8 rows-words per thread or fewer cost more
+    instructions per weight element)."""
+    return max(1, rows * (bk // 8) // 512)
+
+
 def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: int, pairs: int, inter: int,
               dim: int, acc16: bool = True, split2: int | None = None) -> MoeConfig:
-    """GEMV warps sized so each thread holds 16 weight words (128 codes) per step: the activations it loads are
-    then reused over 4 rows (SASS: 8 rows-words per thread or fewer cost more instructions per weight element).
-    Split-K from the pair count (`_gemv_split`) unless given."""
+    """A decode GEMV config: warps from `gemv_warps` (w13 tiles hold 2·bn13 rows), split-K from the pair count
+    (`_gemv_split`) unless given."""
     s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13)
     s2 = _gemv_split(pairs * -(-dim // bn2), -(-inter // bk2)) if split2 is None else split2
-    return MoeConfig(True, bn13, bk13, bn2, bk2, max(1, 2 * bn13 * (bk13 // 8) // 512), stages, 16,
-                     max(1, bn2 * (bk2 // 8) // 512), s13, s2, acc16, stages2)
+    return MoeConfig(True, bn13, bk13, bn2, bk2, gemv_warps(2 * bn13, bk13), stages, 16, gemv_warps(bn2, bk2), s13,
+                     s2, acc16, stages2)
 
 
 def _div(n: int, want: int, floor: int) -> int:
@@ -726,7 +721,9 @@ def as_layout(xq, layout: str):
     if have == layout:
         return xq
     nat = natural_act(xq)
-    return {"bf16": lambda: nat, "gemv": lambda: gemv_act(nat), "gemv16": lambda: gemv16_act(nat)}[layout]()
+    if layout == "gemv":
+        return gemv_act(nat)
+    return gemv16_act(nat) if layout == "gemv16" else nat
 
 
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
@@ -762,8 +759,9 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     tiles = triton.cdiv(e, be) * triton.cdiv(t, bt)
     split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))    # ~2 programs per SM (first run: 6-24 ran)
     logits = torch.empty((split, t, e), dtype=torch.float32, device=dev)
+    xq_out, xs_out = xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)   # (unused ones: any)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt), split)](
-        x, gate_w, logits, *(xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)), t, e, d,
+        x, gate_w, logits, xq_out, xs_out, t, e, d,
         x.stride(0), gate_w.stride(0), e, d, split, t * e, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3,
         WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0), num_warps=4)
     nb = triton.next_power_of_2(e)
