@@ -287,12 +287,16 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
             p.copy_(value.to(p.dtype))
     if any(impl != "reference" for impl in chosen.values()):
         bind_plugins(model, args, chosen, kept, meta["expert_inter_local"], mapping.moe_ep_size)
+        from dsflash.build.tune import TUNED_FILE, gemm_table, moe_table
+        f = Path(path) / TUNED_FILE
+        tuned = json.loads(f.read_text()) if f.is_file() else None
+        # no tuned.json (or no entry for a shape): the default config, logged once per shape
         if chosen.get("gemm") == "fp8_gemm":
-            from dsflash.build.tune import TUNED_FILE, gemm_table
             from dsflash.plugins import tuning
-            f = Path(path) / TUNED_FILE
-            # no tuned.json (or no entry for a shape): the default config, logged once per shape
-            tuning.set_table(gemm_table(json.loads(f.read_text()) if f.is_file() else None))
+            tuning.set_table(gemm_table(tuned))
+        if chosen.get("moe") == "mxfp4":
+            from dsflash.plugins import moe_config
+            moe_config.set_table(moe_table(tuned))
     if hasattr(model, "load_tokenizer"):
         model.load_tokenizer(Path(path) / "tokenizer.json")
     return model.eval(), eng

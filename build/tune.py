@@ -12,7 +12,10 @@ or buckets where every candidate failed; serve then uses the defaults and logs e
 Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the group-32 FP8
 GEMM per local dense linear shape, bucket {"n", "k", "m", "bf16_cache"}, config {"path": "fp8", "config":
 GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where the engine holds `.weight_bf16`).
-`gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input.
+`gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input. And for sm90 engines that bind the
+MoE plugin, "moe": the MXFP4 expert kernels' tiles per local expert shape, bucket {"e", "inter" (padded), "inter_valid",
+"d", "topk", "swiglu_limit", "m"}, config a `plugins.moe_config.MoeConfig` dict (`moe_table(tuned)` ->
+`moe_config.set_table`).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import torch
 from tqdm import tqdm
 
 from dsflash.build.gemm_shapes import dense_gemm_shapes
+from dsflash.model_def.config import args_from_hf_dict
+from dsflash.model_def.mapping import Mapping
 
 TUNED_FILE = "tuned.json"
 M_BUCKETS = (1, 8, 64, 512, 4096)
@@ -154,7 +159,6 @@ class _Rotation:
 
 
 def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
-    from dsflash.plugins import refs
     from dsflash.plugins.fp8_gemm import bf16_cache_gemm, fp8_gemm
     from dsflash.plugins.tuning import GemmConfig
     inp = _gemm_inputs(bucket["n"], bucket["k"], bucket["m"])
@@ -168,21 +172,112 @@ def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
         def fp8_linear(x, w):
             return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), *w, cfg)
         calls = [functools.partial(fp8_linear, x, w) for x, w in zip(inp.xs, inp.ws)]
-    # first call compiles; a config that launches but computes wrong must not win on speed
-    err = refs.rel_err(calls[0](), inp.ref())
-    if not err <= GEMM_REL_TOL:
-        raise ValueError(f"wrong result: rel err {err:.3g} > {GEMM_REL_TOL}")
+    return _verified(calls, inp.ref, GEMM_REL_TOL)
+
+
+def _verified(calls: list[Callable[[], torch.Tensor]], ref: Callable[[], torch.Tensor], tol: float) -> _Rotation:
+    """The calls as a `_Rotation`, once the first (which compiles) matches the reference: a config that launches but
+    computes wrong must not win on speed."""
+    from dsflash.plugins import refs
+    err = refs.rel_err(calls[0](), ref())
+    if not err <= tol:
+        raise ValueError(f"wrong result: rel err {err:.3g} > {tol}")
     return _Rotation(calls)
 
 
-def _fp8_gemm_cleanup() -> None:
-    _gemm_inputs.cache_clear()
-    torch.cuda.empty_cache()
+def _cuda_cleanup(cached_inputs) -> Callable[[], None]:
+    """After an op: drop its cached inputs (an lru_cache'd builder) and return their memory to the GPU."""
+    def cleanup() -> None:
+        cached_inputs.cache_clear()
+        torch.cuda.empty_cache()
+    return cleanup
 
 
 FP8_GEMM = TunableOp("fp8_gemm", _fp8_gemm_buckets, _fp8_gemm_candidates, _fp8_gemm_make, {"path": "fp8"},
-                     device="cuda", cleanup=_fp8_gemm_cleanup)
-TUNABLE_OPS = {"cpu": [LM_HEAD], "sm90": [LM_HEAD, FP8_GEMM], "sm100": [LM_HEAD]}
+                     device="cuda", cleanup=_cuda_cleanup(_gemm_inputs))
+
+
+# -- moe: the MXFP4 expert kernels' tiles, per local expert shape and token bucket -----------------------------------
+MOE_REL_TOL = 1e-2        # the decode GEMVs sum each 32-block in f16: measured 1.4e-3 .. 9.6e-3 against moe_ref
+MOE_ROUTE_SCALE = 1.5     # timing inputs; any value routes the same way
+MOE_DECODE_SETS = 8       # random routings per timed replay (decode reads only the routed experts' bytes)
+
+
+def _moe_buckets(engine: dict) -> list[dict]:
+    """One bucket per token count of `_m_buckets_for`, where the engine binds the MoE plugin (`build.bind._bind_moe`:
+    not under expert parallelism, not with norm_topk_prob=false)."""
+    if engine.get("plugins", {}).get("moe") != "mxfp4":
+        return []
+    args = args_from_hf_dict(engine["model"], "engine.json")
+    if Mapping.from_dict(engine["mapping"]).moe_ep_size > 1 or not args.norm_topk_prob:
+        return []
+    shape = {"e": args.n_routed_experts, "inter": engine["expert_inter_padded"],
+             "inter_valid": engine["expert_inter_local"], "d": args.hidden_size, "topk": args.num_experts_per_tok,
+             "swiglu_limit": args.swiglu_limit}
+    return [{**shape, "m": m} for m in _m_buckets_for(engine)]
+
+
+def _moe_candidates(bucket: dict) -> list[dict]:
+    from dsflash.plugins.moe_config import moe_candidates
+    b = bucket
+    return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"])]
+
+
+class _MoeInputs:
+    """Random CUDA inputs of one bucket: stacked MXFP4 experts (padded columns zero, as the engine stores them), a
+    router, and token sets; lazily the reference output of the first set (shared by all candidates)."""
+
+    def __init__(self, b: dict):
+        from dsflash.plugins import refs
+        e, ipad, inter, d, m = b["e"], b["inter"], b["inter_valid"], b["d"], b["m"]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def codes(*shape):
+            return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda", generator=gen)
+
+        def scales(*shape):
+            return torch.randint(117, 124, shape, dtype=torch.uint8, device="cuda", generator=gen).view(refs.E8M0)
+        self.w13_q, self.w13_s = codes(e, 2 * ipad, d // 2), scales(e, 2 * ipad, d // 32)
+        self.w2_q, self.w2_s = codes(e, d, ipad // 2), scales(e, d, ipad // 32)
+        for half in (0, ipad):
+            self.w13_q[:, half + inter:half + ipad] = 0
+        self.w2_q[:, :, inter // 2:] = 0
+        self.gate_w = (torch.randn(e, d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        self.bias = torch.randn(e, device="cuda", generator=gen) * 0.05
+        sets = MOE_DECODE_SETS if m <= 64 else 2
+        self.xs = [(torch.randn(m, d, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
+        self.shared = [torch.randn(m, d, device="cuda", generator=gen) for _ in range(sets)]
+        self._ref: torch.Tensor | None = None
+
+    def ref(self, b: dict) -> torch.Tensor:
+        from dsflash.plugins import refs
+        if self._ref is None:
+            ipad = b["inter"]
+            halves = (self.w13_q[:, :ipad], self.w13_s[:, :ipad], self.w13_q[:, ipad:], self.w13_s[:, ipad:])
+            self._ref = refs.moe_ref(self.xs[0], self.gate_w, self.bias, b["topk"], MOE_ROUTE_SCALE, *halves,
+                                     self.w2_q, self.w2_s, b["swiglu_limit"], b["inter_valid"], self.shared[0])
+        return self._ref
+
+
+@functools.lru_cache(maxsize=1)  # one bucket's inputs at a time: full-size experts are gigabytes
+def _moe_inputs(key: str) -> _MoeInputs:
+    return _MoeInputs(json.loads(key))
+
+
+def _moe_make(bucket: dict, cand: dict) -> _Rotation:
+    """The whole plugin op as serve runs it (`plugins.moe.moe`: router, expert GEMMs, shared-expert add)."""
+    from dsflash.plugins.moe import moe
+    from dsflash.plugins.moe_config import MoeConfig
+    inp, cfg, b = _moe_inputs(_key(bucket)), MoeConfig.from_dict(cand), bucket
+    calls = [functools.partial(moe, x, inp.gate_w, inp.bias, b["topk"], MOE_ROUTE_SCALE, inp.w13_q, inp.w13_s,
+                               inp.w2_q, inp.w2_s, b["swiglu_limit"], b["inter_valid"], sh, config=cfg)
+             for x, sh in zip(inp.xs, inp.shared)]
+    return _verified(calls, functools.partial(inp.ref, b), MOE_REL_TOL)
+
+
+MOE = TunableOp("moe", _moe_buckets, _moe_candidates, _moe_make, {"rule": "default_moe_config"}, device="cuda",
+                cleanup=_cuda_cleanup(_moe_inputs))
+TUNABLE_OPS = {"cpu": [LM_HEAD], "sm90": [LM_HEAD, FP8_GEMM, MOE], "sm100": [LM_HEAD]}
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -324,15 +419,32 @@ def gemm_table(tuned: dict | None) -> dict:
         if e["op"] == FP8_GEMM.name:
             b = e["bucket"]
             per_shape.setdefault((b["n"], b["k"]), {})[b["m"]] = _gemm_serve_entry(e)
-    pow2 = sorted({tuning.m_bucket(1 << i) for i in range(20)})
-    table = {}
-    for (n, k), by_m in per_shape.items():
-        tuned_ms = sorted(by_m)
-        for b in pow2:
-            m = next((t for t in tuned_ms if t >= b), None)
-            if m is not None:
-                table[tuning.key_str(n, k, b)] = by_m[m]
-    return table
+    return {tuning.key_str(n, k, b): v for (n, k), by_m in per_shape.items() for b, v in _pow2_cover(by_m).items()}
+
+
+def moe_table(tuned: dict | None) -> dict:
+    """tuned.json's moe entries as `plugins.moe_config.set_table` input {key_str: MoeConfig dict}, over the
+    power-of-two token buckets the way `gemm_table` covers them."""
+    from dsflash.plugins.moe_config import key_str
+    per_shape: dict[tuple, dict[int, dict]] = {}
+    for e in (tuned or {}).get("entries", []):
+        if e["op"] == MOE.name:
+            b = e["bucket"]
+            per_shape.setdefault((b["e"], b["inter"], b["d"], b["topk"]), {})[b["m"]] = e["config"]
+    return {key_str(*shape, b): v for shape, by_m in per_shape.items() for b, v in _pow2_cover(by_m).items()}
+
+
+def _pow2_cover(by_m: dict[int, dict]) -> dict[int, dict]:
+    """{tuned M: value} -> {power-of-two bucket: value}: a tuned M covers the buckets above the next smaller tuned M
+    up to itself; buckets above the largest tuned M stay out."""
+    from dsflash.plugins.tuning import m_bucket
+    tuned_ms = sorted(by_m)
+    out = {}
+    for b in sorted({m_bucket(1 << i) for i in range(20)}):
+        m = next((t for t in tuned_ms if t >= b), None)
+        if m is not None:
+            out[b] = by_m[m]
+    return out
 
 
 class TunedTable:

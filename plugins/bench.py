@@ -196,7 +196,7 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
     return rows
 
 
-def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[dict]:
+def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: set[str] | None = None) -> list[dict]:
     from dsflash.plugins.act_quant import act_quant_dequant
     from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm, tile_weight
     rows = []
@@ -205,6 +205,8 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
     order = sorted(ms, key=lambda m: (0 if m in (1, 8) else 1 if m >= 4096 else 2, m))
     for m in order:
         for name, n, k, tp in GEMM_SHAPES:
+            if only and f"{name}[{tp}]" not in only:
+                continue
             if time.time() > deadline:
                 rows.append({"op": "fp8_gemm", "shape": f"{name}:{n}x{k}", "M": m, "error": "skipped: time budget"})
                 continue
@@ -232,9 +234,10 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float) -> list[
                 tiled = {}
                 for cfg in tuning.candidates(n, k, m):
                     try:
-                        if cfg.tiled_w and (cfg.block_p, cfg.kgroups) not in tiled:
-                            tiled[(cfg.block_p, cfg.kgroups)] = [tile_weight(wp[0], cfg) for wp in ws]
-                        wt = tiled[(cfg.block_p, cfg.kgroups)] if cfg.tiled_w else [None] * n_sets
+                        layout = (cfg.block_p, cfg.kgroups, cfg.dequant_bf16)   # what tile_weight depends on
+                        if cfg.tiled_w and layout not in tiled:
+                            tiled[layout] = [tile_weight(wp[0], cfg) for wp in ws]
+                        wt = tiled[layout] if cfg.tiled_w else [None] * n_sets
                         a = acts16 if cfg.acc16 else acts
                         out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0])
                         err = refs.rel_err(out, ref32)
@@ -524,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="merge into the existing --out file: replace only the rows of the sections run now")
     ap.add_argument("--ms", default="1,3,8,64,257,4096", help="token counts M")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting GEMM shapes after this many seconds")
+    ap.add_argument("--gemm-shapes", default="",
+                    help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]' (default: all of GEMM_SHAPES)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench-kernels needs a CUDA GPU")
@@ -581,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
             else:
-                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s)
+                only = {v for v in args.gemm_shapes.split(",") if v} or None
+                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, only)
         except Exception as e:
             result["rows"].append({"op": sec, "shape": "-", "M": 0, "error": f"{type(e).__name__}: {e}",
                                    "trace": traceback.format_exc()[-3000:]})

@@ -5,7 +5,8 @@ A: e4m3 [M, K] with 1×32 pow2 scales (fp32 or e8m0), W: e4m3 [N, K] with 32×32
 The kernel is written over a generic (P, Q) pair so one body serves both orientations: normal (P = A, Q = W) for
 prefill and swap-AB (P = W, Q = A, output written transposed) for decode, where the weight rows fill the MMA's
 M = 64/128 side and the few tokens the N = 16..64 side. Operand tiles come by TMA (host tensor descriptors: no
-per-element pointers in registers); split-K writes fp32 partials that a second kernel sums in a fixed order.
+per-element pointers in registers); split-K slices write fp32 partials that the last slice of each tile to arrive sums
+in a fixed order, in the same launch (`splitk`).
 `gemv` configs (M <= 8) dispatch to the CUDA-core GEMV of fp8_gemv.py instead.
 Imports Triton: load this module lazily.
 """
@@ -20,12 +21,32 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
+from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tuning import GemmConfig
 
 
 @triton.jit
+def _scale_col(base, kb, n_kb, mask, E8M0: tl.constexpr):
+    """[B] fp32 scales of K block kb (0 past K or mask)."""
+    s = tl.load(base + kb, mask=mask & (kb < n_kb), other=0)
+    if E8M0:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _scale_tile(base, kb, n_kb, mask, KG: tl.constexpr, E8M0: tl.constexpr):
+    """[B, KG] fp32 scales of K blocks kb .. kb + KG - 1 (0 past K or mask)."""
+    g = kb + tl.arange(0, KG)
+    s = tl.load(base[:, None] + g[None, :], mask=mask[:, None] & (g < n_kb)[None, :], other=0)
+    if E8M0:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
 def _fp8_gemm_g32_kernel(
-    p_desc, q_desc, ps_ptr, qs_ptr, out_ptr,
+    p_desc, q_desc, ps_ptr, qs_ptr, out_ptr, ws_ptr, cnt_ptr,
     P, Q, K,
     stride_ps, stride_qs, stride_op, stride_oq, stride_os,
     SPLIT_K,
@@ -59,8 +80,15 @@ def _fp8_gemm_g32_kernel(
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
-    g = tl.arange(0, KG)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    # e8m0 scales are 1-byte loads Triton cannot stream by cp.async: every iteration loads the next one's scales
+    # while its own MMAs run, so none waits on a global load
+    if DEQUANT_BF16:
+        cur_p = _scale_tile(ps_base, it0 * KG, n_kb, mask_p & (it0 < it1), KG, PS_E8M0)
+        cur_q = _scale_tile(qs_base, it0 * KG, n_kb, mask_q & (it0 < it1), KG, QS_E8M0)
+    else:
+        cur_p = _scale_col(ps_base, it0, n_kb, mask_p & (it0 < it1), PS_E8M0)
+        cur_q = _scale_col(qs_base, it0, n_kb, mask_q & (it0 < it1), QS_E8M0)
     for it in tl.range(it0, it1, num_stages=NUM_STAGES):
         kb = it * KG
         if P_TILED:   # P pre-tiled [P/BP, K/(32·KG), BP, 32·KG]: one contiguous box per iteration
@@ -69,38 +97,25 @@ def _fp8_gemm_g32_kernel(
             a = p_desc.load([pid_p * BLOCK_P, kb * 32])    # [BP, 32·KG] e4m3 (zero-filled past K)
         b = q_desc.load([pid_q * BLOCK_Q, kb * 32])        # [BQ, 32·KG] e4m3
         if DEQUANT_BF16:
-            gin = (kb + g) < n_kb
-            sp = tl.load(ps_base[:, None] + kb + g[None, :], mask=mask_p[:, None] & gin[None, :], other=0)
-            sq = tl.load(qs_base[:, None] + kb + g[None, :], mask=mask_q[:, None] & gin[None, :], other=0)
-            if PS_E8M0:
-                sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            if QS_E8M0:
-                sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            nxt_p = _scale_tile(ps_base, (it + 1) * KG, n_kb, mask_p & (it + 1 < it1), KG, PS_E8M0)
+            nxt_q = _scale_tile(qs_base, (it + 1) * KG, n_kb, mask_q & (it + 1 < it1), KG, QS_E8M0)
             # e4m3·2^e is exact in BF16: the same products, accumulated in fp32 on BF16 tensor cores
-            a16 = (a.to(tl.float32).reshape(BLOCK_P, KG, 32) * sp[:, :, None]).reshape(BLOCK_P, KG * 32)
-            b16 = (b.to(tl.float32).reshape(BLOCK_Q, KG, 32) * sq[:, :, None]).reshape(BLOCK_Q, KG * 32)
+            a16 = (a.to(tl.float32).reshape(BLOCK_P, KG, 32) * cur_p[:, :, None]).reshape(BLOCK_P, KG * 32)
+            b16 = (b.to(tl.float32).reshape(BLOCK_Q, KG, 32) * cur_q[:, :, None]).reshape(BLOCK_Q, KG * 32)
             acc = tl.dot(a16.to(tl.bfloat16), b16.to(tl.bfloat16).T, acc)
         else:
-            sp = tl.load(ps_base + kb, mask=mask_p, other=0)
-            sq = tl.load(qs_base + kb, mask=mask_q, other=0)
-            if PS_E8M0:
-                sp = (sp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            if QS_E8M0:
-                sq = (sq.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            acc += tl.dot(a, b.T) * (sp[:, None] * sq[None, :])   # fp32 promotion every 32 K (KG == 1)
-    out = (out_ptr + pid_k * stride_os + offs_p.to(tl.int64)[:, None] * stride_op
-           + offs_q.to(tl.int64)[None, :] * stride_oq)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
-
-
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            nxt_p = _scale_col(ps_base, it + 1, n_kb, mask_p & (it + 1 < it1), PS_E8M0)
+            nxt_q = _scale_col(qs_base, it + 1, n_kb, mask_q & (it + 1 < it1), QS_E8M0)
+            acc += tl.dot(a, b.T) * (cur_p[:, None] * cur_q[None, :])   # fp32 promotion every 32 K (KG == 1)
+        cur_p = nxt_p
+        cur_q = nxt_q
+    o_off = offs_p.to(tl.int64)[:, None] * stride_op + offs_q.to(tl.int64)[None, :] * stride_oq
+    o_mask = mask_p[:, None] & mask_q[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    elif splitk_arrive(acc, ws_ptr, o_off, o_mask, cnt_ptr, pid, pid_k, SPLIT_K, stride_os):
+        tot = splitk_total(acc, ws_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT_K, stride_os)
+        tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -177,9 +192,12 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         P, Q, pp, qq, ps, qs = m, n, a_q, w_q, sa, sb
         p_div, q_div, ps_e8, qs_e8 = 1, QBLOCK, sa_e8, sb_e8
         stride_op, stride_oq = n, 1
-    split = cfg.split_k
-    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
-    grid = (triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q), split)
+    tiles = triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q)
+    n_it = triton.cdiv(k, QBLOCK * cfg.kgroups)
+    split = triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(cfg.split_k, n_it))))   # no empty K slices
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    cnt = split_counter(out.device, tiles, "fp8_gemm") if split > 1 else out
+    grid = (tiles, split)
     if cfg.tiled_w:
         bk = QBLOCK * cfg.kgroups
         rows = triton.cdiv(n, cfg.block_p) * triton.cdiv(k, bk) * cfg.block_p
@@ -190,16 +208,13 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         p_desc = TensorDescriptor(pp, [P, k], [pp.stride(0), 1], [cfg.block_p, QBLOCK * cfg.kgroups])
     q_desc = TensorDescriptor(qq, [Q, k], [qq.stride(0), 1], [cfg.block_q, QBLOCK * cfg.kgroups])
     _fp8_gemm_g32_kernel[grid](
-        p_desc, q_desc, ps, qs, dst,
+        p_desc, q_desc, ps, qs, out, ws, cnt,
         P, Q, k,
         ps.stride(0), qs.stride(0), stride_op, stride_oq, m * n,
         split,
         P_SDIV=p_div, Q_SDIV=q_div, PS_E8M0=ps_e8, QS_E8M0=qs_e8,
         BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, GROUP_P=cfg.group_p, KG=cfg.kgroups,
         NUM_STAGES=cfg.num_stages, DEQUANT_BF16=cfg.dequant_bf16, P_TILED=cfg.tiled_w, num_warps=cfg.num_warps)
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, split, BLOCK=block, num_warps=4)
     return out
 
 

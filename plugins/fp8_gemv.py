@@ -34,6 +34,7 @@ import triton.language as tl
 
 from dsflash.plugins.fp8_gemm import gemm_operands
 from dsflash.plugins.refs import E4M3, E8M0
+from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tuning import GemmConfig
 
 MAX_M = 8   # tokens; beyond that the MMA path is the one to use
@@ -305,31 +306,9 @@ def _store_or_reduce(y, out_ptr, part_ptr, cnt_ptr, pid_n, pid_k, M, N, offs_n, 
     o_mask = (offs_m < M)[:, None] & mask_n[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        slab = M * N
-        tl.store(part_ptr + pid_k * slab + o_off, y, mask=o_mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:   # the last slice of this N tile to arrive: sum the partials in slice order
-            tot = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + s * slab + o_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-_counters: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device split-K tile counters, zero between calls (the last program of each tile resets its own); grown
-    (one allocation) when a larger grid first needs more. (Keyed by device type too: TRITON_INTERPRET runs on CPU.)"""
-    idx = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    c = _counters.get((device.type, idx))
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _counters[(device.type, idx)] = c
-    return c
+    elif splitk_arrive(y, part_ptr, o_off, o_mask, cnt_ptr, pid_n, pid_k, SPLIT, M * N):
+        tot = splitk_total(y, part_ptr, o_off, o_mask, cnt_ptr, pid_n, SPLIT, M * N)
+        tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, config: GemmConfig,
@@ -363,7 +342,7 @@ def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     n_it = triton.cdiv(k, bk)
     split = triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(config.split_k, n_it))))   # no empty K slices
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
-    cnt = _counter(out.device, n_tiles) if split > 1 else out
+    cnt = split_counter(out.device, n_tiles, "fp8_gemv") if split > 1 else out
     if config.acc16:
         assert a_q.stride(0) % 2 == 0, "f16 code rows must start 4-byte aligned"
         kern, a_in, w_in = _fp8_gemv16_kernel, a_q.view(torch.int32), w_q.view(torch.int32)

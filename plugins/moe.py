@@ -32,16 +32,17 @@ block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
+from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
+    MoeConfig, _div, default_moe_config, gemv_warps, lookup, moe_candidates)
+from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 
 QBLOCK = 32
 
@@ -362,14 +363,13 @@ def _mx_load_x(x_ptrs, K8, mw, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _mx_gemv_step(acc, w_ptrs, s_ptrs, xa, xb, xc, xd, mw, mn, EVEN: tl.constexpr):
-    """acc [BN, BW] += the dot of BW int32 words (8 codes each) per row with the activations. EVEN: no masks."""
+def _mx_gemv_step(acc, w_ptrs, s, xa, xb, xc, xd, mw, mn, EVEN: tl.constexpr):
+    """acc [BN, BW] += the dot of BW int32 words (8 codes each) per row with the activations (s: the words' e8m0
+    scales, loaded by the caller). EVEN: no masks."""
     if EVEN:
         w = tl.load(w_ptrs)
-        s = tl.load(s_ptrs)
     else:
         w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
-        s = tl.load(s_ptrs, mask=mn[:, None] & mw[None, :], other=0)
     sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return _mx_dot8(acc, w, sc, xa, xb, xc, xd)
 
@@ -424,19 +424,18 @@ def _split4(t):
 
 
 @triton.jit
-def _mx_gemv16_step(acc, w_ptrs, s_ptrs, x_ptrs, K8, xs_ptrs, mw, mb, mn,
+def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
                     ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
-    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks) with the f16 activation codes
-    (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at xs_ptrs). EVEN: no masks."""
+    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks, e8m0 scales s loaded by the
+    caller) with the f16 activation codes (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at
+    xs_ptrs). EVEN: no masks."""
     if EVEN:
         w = tl.load(w_ptrs)
-        s = tl.load(s_ptrs)
         xl = tl.load(x_ptrs[None, :])
         xh = tl.load(x_ptrs[None, :] + K8)
         xs = tl.load(xs_ptrs[None, :])
     else:
         w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
-        s = tl.load(s_ptrs, mask=mn[:, None] & mb[None, :], other=0)
         xl = tl.load(x_ptrs[None, :], mask=mw[None, :], other=0)
         xh = tl.load(x_ptrs[None, :] + K8, mask=mw[None, :], other=0)
         xs = tl.load(xs_ptrs[None, :], mask=mb[None, :], other=0.0)
@@ -459,24 +458,40 @@ def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.
     per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
     k_lo = pid_k * per
     k_hi = tl.minimum(k_lo + per, K8)
+    # The e8m0 scales are 1-byte loads Triton cannot stream by cp.async: each iteration loads the next one's while
+    # its own dots run, so no iteration waits on a global load (on one TP8 rank few programs share an SM to hide it).
     if ACC16:
         ob = tl.arange(0, BW // 4)
-        srow = rows[:, None] * (K // 32) + ob[None, :]       # one e8m0 per 32-block
+        srow = s_e + rows[:, None] * (K // 32) + ob[None, :]   # one e8m0 per 32-block
         xrow = x_ptr + xi * (K // 4) + ow                    # int64 view of the f16 codes [2, K/8, 4]
         xsrow = xs_ptr + xi * (K // 32) + ob
         acc = tl.zeros([ROWS, BW // 4], dtype=tl.float32)
+        s = _mx_scales(srow, k_lo, k_hi, ob * 4, K8, mn)
         for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
-            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xrow + k8, K8, xsrow + k8 // 4,
+            s_next = _mx_scales(srow, k8 + BW, k_hi, ob * 4, K8, mn)
+            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s, xrow + k8, K8, xsrow + k8 // 4,
                                   k8 + ow < K8, k8 // 4 + ob < K // 32, mn, ROWS, BW, EVEN)
+            s = s_next
     else:
-        srow = rows[:, None] * (K // 32) + (ow // 4)[None, :]   # one e8m0 per 4 words
+        srow = s_e + rows[:, None] * (K // 32) + (ow // 4)[None, :]   # one e8m0 per 4 words
         xrow = x_ptr + xi * (K // 2) + ow                    # int64 view of the pair-permuted fp32 row
         acc = tl.zeros([ROWS, BW], dtype=tl.float32)
+        s = _mx_scales(srow, k_lo, k_hi, ow, K8, mn)
         for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
+            s_next = _mx_scales(srow, k8 + BW, k_hi, ow, K8, mn)
             mw = k8 + ow < K8
             xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
-            acc = _mx_gemv_step(acc, w_e + wrow + k8, s_e + srow + k8 // 4, xa, xb, xc, xd, mw, mn, EVEN)
+            acc = _mx_gemv_step(acc, w_e + wrow + k8, s, xa, xb, xc, xd, mw, mn, EVEN)
+            s = s_next
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _mx_scales(srow, k8, k_hi, word, K8, mn):
+    """The e8m0 scales of the words k8 + word of each row (srow: the rows' scale pointers at word 0, one scale per
+    4 words); 0 at or past k_hi (the slice's end) or K8, and for masked rows."""
+    w = k8 + word
+    return tl.load(srow + k8 // 4, mask=mn[:, None] & ((w < k_hi) & (w < K8))[None, :], other=0)
 
 
 @triton.jit
@@ -505,6 +520,8 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
+    gdc_launch_dependents()
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
@@ -520,16 +537,10 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
         _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
     else:
         tile = p * tl.num_programs(1) + pid_n
-        wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N + r
-        tl.store(wsp + pid_k * 2 * BLOCK_N, gu)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
-            tot = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
-            for sk in range(0, SPLIT):
-                tot += tl.load(wsp + sk * 2 * BLOCK_N, cache_modifier=".cg")
+        wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
+        if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
+            tot = splitk_total(gu, wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
             _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -567,6 +578,8 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
+    gdc_launch_dependents()
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
@@ -578,105 +591,6 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     y = _mx_row_dots(w2_e, s2_e, offs_n, mn, hp_ptr, hs_ptr, p.to(tl.int64), K, K8, pid_k, SPLIT, BLOCK_N, BW,
                      NUM_STAGES, EVEN, ACC16)
     tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
-
-
-# -- configs ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MoeConfig:
-    """Expert-GEMM tiles. gemv: the decode path (one (token, expert) pair per program, CUDA-core GEMV, bn13/bk13
-    for the w13 tile of 2·bn13 rows, bn2/bk2 for w2, no token blocks); else the sorted path (block_m tokens of one
-    expert per program, MXFP4 dequantized to BF16 in registers by `tl.dot_scaled`, BF16 tensor cores)."""
-    gemv: bool = True
-    bn13: int = 64
-    bk13: int = 128
-    bn2: int = 128
-    bk2: int = 128
-    warps: int = 4          # w13 kernel
-    stages: int = 4
-    block_m: int = 16
-    warps2: int = 4         # w2 kernel
-    split13: int = 1        # GEMV K slices (w13: reduced by the tile's last program; w2: atomic adds)
-    split2: int = 1
-    acc16: bool = False     # GEMV: f16 in-block accumulation (`_mx_gemv16_step`), activations as f16 codes
-    stages2: int = 0        # w2 pipelining depth (0: `stages`)
-
-    def tag(self) -> str:
-        kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
-        s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
-        return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
-                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}")
-
-    @property
-    def xq_layout(self) -> str:
-        """The activation layout the config's expert GEMMs read (see `router`)."""
-        return ("gemv16" if self.acc16 else "gemv") if self.gemv else "bf16"
-
-
-def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6) -> int:
-    """K slices so that about `target` programs run, keeping >= 2 K steps per slice. (H200 sweep,
-    benchmarks/moe_gemv_sweep_h200.json: with 4-warp tiles, ~400 programs is where the latency-bound GEMV stops
-    gaining from more warps and starts paying for the split-K reduction.)"""
-    return max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
-
-
-def gemv_warps(rows: int, bk: int) -> int:
-    """Warps of a decode GEMV tile of `rows` weight rows × bk K: each thread holds 16 weight words (128 codes) per
-    step, so the activations it loads are reused over 4 rows (SASS: 8 rows-words per thread or fewer cost more
-    instructions per weight element)."""
-    return max(1, rows * (bk // 8) // 512)
-
-
-def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: int, pairs: int, inter: int,
-              dim: int, acc16: bool = True, split2: int | None = None) -> MoeConfig:
-    """A decode GEMV config: warps from `gemv_warps` (w13 tiles hold 2·bn13 rows), split-K from the pair count
-    (`_gemv_split`) unless given."""
-    s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13)
-    s2 = _gemv_split(pairs * -(-dim // bn2), -(-inter // bk2)) if split2 is None else split2
-    return MoeConfig(True, bn13, bk13, bn2, bk2, gemv_warps(2 * bn13, bk13), stages, 16, gemv_warps(bn2, bk2), s13,
-                     s2, acc16, stages2)
-
-
-def _div(n: int, want: int, floor: int) -> int:
-    """The largest power of two <= want dividing n (at least floor)."""
-    b = want
-    while b > floor and n % b:
-        b //= 2
-    return b
-
-
-def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
-    """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
-    H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
-    w2 64 rows × 256 K for a long intermediate (TP1-like), 256 rows × 128 K, 2 K slices and no cp.async staging
-    for a short one (one TP8 rank: 320). Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the
-    average expert gets more than ~24/48 tokens)."""
-    if t * topk <= 2 * n_experts:
-        bk13 = _div(dim, 256, 32)
-        if inter >= 1024:
-            return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
-        return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
-    avg = t * topk / max(1, n_experts)
-    bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
-    if bm == 16:
-        return MoeConfig(False, 32, _div(dim, 128, 32), 64, _div(inter, 128, 32), 4, 3, 16, 4)
-    return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
-
-
-def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
-    """Tile candidates the bench times (the default first): the fp32-accumulating GEMV at the default tiles and at
-    the previous default tiles, other f16 tilings, other split-K counts."""
-    d = default_moe_config(t, topk, n_experts, inter, dim)
-    out = [d]
-    if d.gemv:
-        p = t * topk
-        old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
-                        _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
-        out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
-                dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
-                dataclasses.replace(d, split13=min(6, 2 * d.split13)),
-                _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
-                _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
-    return list(dict.fromkeys(out))
 
 
 # -- wrappers ---------------------------------------------------------------------------------------------------------
@@ -803,20 +717,6 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
         f"{name}: scales must be e8m0 [E, N, K/32] contiguous, got {tuple(s.shape)} {s.dtype}"
 
 
-_counters: dict[int, torch.Tensor] = {}
-
-
-def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device split-K tile counters, zero between calls (the last program of each tile resets its own); grown
-    (one allocation) when a larger grid first needs more. Calls on one stream at a time."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    c = _counters.get(idx)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _counters[idx] = c
-    return c
-
-
 def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
              inter: int, swiglu_limit: float, cfg: MoeConfig):
     """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
@@ -839,11 +739,12 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     split = max(1, min(cfg.split13, d // cfg.bk13))
     ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=codes.device) \
         if split > 1 else hq
-    cnt = _counter(codes.device, p * n_tiles) if split > 1 else ids
+    cnt = split_counter(codes.device, p * n_tiles, "moe_w13") if split > 1 else ids
     _moe_w13_gemv_kernel[(p, n_tiles, split)](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
-        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps)
+        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps,
+        launch_pdl=cfg.pdl)
     return hp
 
 
@@ -859,7 +760,7 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
     _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
-        ACC16=cfg.acc16, num_warps=cfg.warps2)
+        ACC16=cfg.acc16, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
     return out
 
 
@@ -897,7 +798,7 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     assert ids.shape == weights.shape and ids.shape[0] == t and ids.dtype == torch.int32 and ids.is_contiguous()
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     topk = ids.shape[1]
-    cfg = config or default_moe_config(t, topk, e, ipad, d)
+    cfg = config or lookup(t, topk, e, ipad, d)
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
         out = shared.to(torch.float32, copy=True).contiguous()
@@ -937,6 +838,6 @@ def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: in
         ) -> torch.Tensor:
     """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked)."""
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
-    cfg = config or default_moe_config(x.shape[0], topk, e, ipad, x.shape[1])
+    cfg = config or lookup(x.shape[0], topk, e, ipad, x.shape[1])
     w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout=cfg.xq_layout)
     return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg)

@@ -22,7 +22,7 @@ class GemmConfig:
     """Tiles of `_fp8_gemm_g32_kernel`. P is the operand on the tile's rows: A (tokens) normally, W with swap_ab.
 
     block_p/block_q: tile rows/cols; one 32-wide K block (one fp32 promotion) per pipelined loop iteration,
-    num_stages of them in flight; split_k: K slices reduced in fp32 by a second kernel; dequant_bf16: dequantize both
+    num_stages of them in flight; split_k: K slices reduced in fp32 in the same launch (`splitk`); dequant_bf16: dequantize both
     operands to BF16 in registers and accumulate on BF16 tensor cores instead of FP8 MMA + per-32 promotion (same
     numerics: every product is exact, accumulation fp32); kgroups: 32-blocks per iteration (dequant_bf16 only);
     tiled_w: the weight was re-laid by `fp8_gemm.tile_weight` at build time so each TMA box is contiguous.
@@ -161,8 +161,9 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
             if bq >= 64 and stages > 6:
                 stages = 6
             out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), kb, target), warps, stages, swap_ab=True))
-        # dequantize-to-BF16 variants moving 128 K per iteration (fewer, larger TMA transactions)
-        for bp, kg, stages, warps in ((128, 4, 4, 4), (256, 4, 4, 8), (128, 2, 6, 4)):
+        # dequantize-to-BF16 variants moving 128 K per iteration (fewer, larger TMA transactions); the 64-row tile
+        # holds 115 registers per thread against 178 (offline sm_90a build), so twice the CTAs fit an SM
+        for bp, kg, stages, warps in ((128, 4, 4, 4), (256, 4, 4, 8), (128, 2, 6, 4), (64, 4, 6, 4)):
             if bq >= 64:
                 stages = min(stages, 3)
             out.append(GemmConfig(bp, bq, _split_for(_cdiv(n, bp), _cdiv(kb, kg)), warps, stages, swap_ab=True,

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.refs import inverse_rope_ref, rope_cos_sin_ref, wo_a_ref  # noqa: F401  (re-exported)
+from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 
 NUM_SMS = 132
 
@@ -62,16 +63,9 @@ def _wo_a_kernel(w_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, ws_ptr, cnt_ptr,
     z_off = tq[None, :] * stride_zt + offs_p[:, None]
     if SPLIT == 1:
         tl.store(out_ptr + z_off, acc.to(out_ptr.dtype.element_ty), mask=mq[None, :])
-    else:
-        tl.store(ws_ptr + pid_k * SLAB + z_off, acc, mask=mq[None, :])
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:   # the last split of this tile: sum the partials in split order
-            tot = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                tot += tl.load(ws_ptr + s * SLAB + z_off, mask=mq[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + z_off, tot.to(out_ptr.dtype.element_ty), mask=mq[None, :])
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    elif splitk_arrive(acc, ws_ptr, z_off, mq[None, :], cnt_ptr, pid, pid_k, SPLIT, SLAB):
+        tot = splitk_total(acc, ws_ptr, z_off, mq[None, :], cnt_ptr, pid, SPLIT, SLAB)
+        tl.store(out_ptr + z_off, tot.to(out_ptr.dtype.element_ty), mask=mq[None, :])
 
 
 @dataclass(frozen=True)
@@ -127,19 +121,6 @@ def candidates(t: int, rows: int, kg: int, r: int | None = None) -> list[WoAConf
     return list(dict.fromkeys(out))
 
 
-_counters: dict[int, torch.Tensor] = {}
-
-
-def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device tile counters, zero between calls (the last program of each tile resets its own)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    c = _counters.get(idx)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[idx] = c
-    return c
-
-
 def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
          config: WoAConfig | None = None) -> torch.Tensor:
     """o [T, H, d] BF16 (attention output, query-rotated), cos/sin [T, RD/2] fp32 (`rope_cos_sin_ref`), w = W_a
@@ -166,7 +147,7 @@ def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
     tiles = (rows // cfg.block_p) * num_q
     split = max(1, min(cfg.split_k, kg // cfg.block_k))
     ws = torch.empty((split, t, rows), dtype=torch.float32, device=o.device) if split > 1 else out
-    cnt = _counter(o.device, tiles) if split > 1 else out
+    cnt = split_counter(o.device, tiles, "wo_a") if split > 1 else out
     w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [cfg.block_p, cfg.block_k])
     _wo_a_kernel[(tiles, split)](
         w_desc, o, cos, sin, out, ws, cnt,

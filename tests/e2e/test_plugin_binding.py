@@ -13,7 +13,7 @@ import torch
 from dsflash.build.bind import resolve_plugins, site_parity
 from dsflash.build.engine import default_plugins, load_engine_model, write_engine
 from dsflash.build.plan import BuildConfig
-from dsflash.build.tune import FP8_GEMM
+from dsflash.build.tune import FP8_GEMM, MOE
 from dsflash.convert.synth import synthesize
 from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
@@ -72,6 +72,16 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     wq_b = model.layers[0].attn.wq_b.plugin
     assert wq_b.w_bf16 is not None and model.mtp[0].attn.wq_b.plugin.w_bf16 is None
     assert wq_b.w_q.dtype == torch.float8_e4m3fn and wq_b.w_s.dtype == torch.float8_e8m0fnu
+    # the engine's MoE tiles were installed from its tuned.json (built on a CPU machine: no entries, so every
+    # token count falls back to the default rule, said once per shape)
+    from dsflash.plugins import moe_config
+    try:
+        with caplog.at_level(logging.WARNING, logger="dsflash.plugins.moe_config"):
+            moe_config.lookup(1, args.num_experts_per_tok, args.n_routed_experts, 64, args.hidden_size)
+        msg = next(r.getMessage() for r in caplog.records if "no tuned entry" in r.getMessage())
+        assert "no table loaded" not in msg
+    finally:
+        moe_config.set_table(None)
 
 
 def test_site_parity_catches_a_wrong_binding(sm90_engine):
@@ -118,6 +128,7 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
     assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4"
     assert eng.meta["build_config"]["disable_plugins"] == ["gemm"]
     assert FP8_GEMM.buckets(eng.meta) == [] and FP8_GEMM.buckets({**eng.meta, "plugins": default_plugins("sm90")})
+    assert MOE.buckets(eng.meta)   # the MoE plugin stays on, so build tunes its tiles
     assert model.layers[0].attn.wq_b.plugin is None and model.layers[0].ffn.plugin is not None
     assert build_main(["--ckpt", str(hopper_ckpt), "--arch", "sm90", "--out", str(out) + "x",
                        "--disable-plugin", "lm_head"]) == 2

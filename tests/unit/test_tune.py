@@ -1,5 +1,6 @@
 """Build-time tuning: best config recorded with its measurements; lookups fall back visibly, once; the FP8 GEMM's
 shapes, skips on machines without the engine's GPU, and the serve-side table."""
+import dataclasses
 import logging
 
 import pytest
@@ -7,12 +8,14 @@ import torch
 
 from dsflash.build import tune as tune_mod
 from dsflash.build.gemm_shapes import dense_gemm_shapes
-from dsflash.build.plan import BuildConfig
-from dsflash.build.tune import FP8_GEMM, LM_HEAD, TUNABLE_OPS, TunableOp, TunedTable, gemm_table, m_bucket, tune
+from dsflash.build.engine import default_plugins
+from dsflash.build.plan import BuildConfig, expert_widths
+from dsflash.build.tune import (FP8_GEMM, LM_HEAD, MOE, TUNABLE_OPS, TunableOp, TunedTable, gemm_table, m_bucket,
+                                moe_table, tune)
 from dsflash.model_def.config import get_preset
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import tensor_table
-from dsflash.plugins import tuning
+from dsflash.plugins import moe_config, tuning
 from dsflash.plugins.lm_head import chunked_lm_head, lm_head_ref
 
 
@@ -47,11 +50,13 @@ def test_m_buckets():
 
 
 # -- fp8_gemm: shapes, skip on machines without the target GPU, failures, the serve table --------------------------
-def _engine(family="v41", tp=1, arch="sm90", layout="hopper", **build) -> dict:
+def _engine(family="v41", tp=1, arch="sm90", layout="hopper", ep=1, disable=(), **build) -> dict:
     """An engine.json dict as build/engine.py writes it (no weights needed)."""
-    return {"model": get_preset(family, "tiny").to_hf_dict(), "mapping": Mapping(world_size=tp, tp_size=tp).to_dict(),
+    args, mapping = get_preset(family, "tiny"), Mapping(world_size=tp, tp_size=tp, moe_ep_size=ep)
+    return {"model": args.to_hf_dict(), "mapping": mapping.to_dict(),
             "build_config": BuildConfig(**build).__dict__, "arch": arch, "layout": layout,
-            "expert_dtype": "fp4"}
+            "expert_dtype": "fp4", **expert_widths(args, mapping, arch),
+            "plugins": default_plugins(arch, tuple(disable), family)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -101,12 +106,14 @@ def test_sm90_engine_on_cpu_machine_skips_fp8_gemm_and_logs_once(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
         data = tune(_engine(), "sm90")
-    assert data["skipped"] == [{"op": "fp8_gemm", "reason": data["skipped"][0]["reason"]}]
-    assert "without an sm90 GPU" in data["skipped"][0]["reason"]
+    assert [s["op"] for s in data["skipped"]] == ["fp8_gemm", "moe"]
+    assert all("without an sm90 GPU" in s["reason"] and set(s) == {"op", "reason"} for s in data["skipped"])
     assert {e["op"] for e in data["entries"]} == {"lm_head"}  # CPU-timed ops still tune
-    msgs = [r.getMessage() for r in caplog.records if "fp8_gemm not tuned" in r.getMessage()]
-    assert len(msgs) == 1 and "serve will use the default configs" in msgs[0]
-    assert gemm_table(data) == {}  # serve: every shape falls back to the default, logged by tuning.lookup
+    for op in ("fp8_gemm", "moe"):
+        msgs = [r.getMessage() for r in caplog.records if f"{op} not tuned" in r.getMessage()]
+        assert len(msgs) == 1 and "serve will use the default configs" in msgs[0]
+    # serve: every shape falls back to the default, logged by tuning.lookup / moe_config.lookup
+    assert gemm_table(data) == {} and moe_table(data) == {}
 
 
 def test_wrong_gpu_arch_is_not_tuned(monkeypatch):
@@ -184,15 +191,74 @@ def test_gemm_table_expands_tuned_buckets_to_pow2():
 @pytest.mark.gpu
 def test_fp8_gemm_tunes_on_the_gpu():
     """On an sm90 GPU: every bucket gets an entry whose winner ran and verified, and the serve table covers it."""
-    eng = _engine(max_num_tokens=64)
-    if tune_mod._cannot_measure(FP8_GEMM, "sm90"):
-        pytest.skip(tune_mod._cannot_measure(FP8_GEMM, "sm90"))
-    data = tune(eng, "sm90", [FP8_GEMM])
-    assert data["skipped"] == []
-    buckets = FP8_GEMM.buckets(eng)
-    assert [e["bucket"] for e in data["entries"]] == buckets
-    for e in data["entries"]:
-        assert 0 < e["time_us"] < float("inf") and e["time_us"] == min(e["candidates"].values())
+    eng, data = _tuned_on_gpu(FP8_GEMM)
     table = gemm_table(data)
     # buckets 1, 2, 4, ..., 64 (max_num_tokens): gemm_table never extends a tuned bucket upward
     assert len(table) == 7 * len(dense_gemm_shapes(eng))
+
+
+# -- moe: the MXFP4 expert kernels' tiles -------------------------------------------------------------------------------
+def test_moe_buckets_and_candidates():
+    assert MOE in TUNABLE_OPS["sm90"] and MOE not in TUNABLE_OPS["cpu"]
+    a = get_preset("v41", "tiny")
+    eng = _engine(tp=2, max_num_tokens=100)
+    buckets = MOE.buckets(eng)
+    assert [b["m"] for b in buckets] == [1, 8, 64]
+    local = a.moe_intermediate_size // 2
+    for b in buckets:
+        assert (b["e"], b["d"], b["topk"], b["inter_valid"]) == (a.n_routed_experts, a.hidden_size,
+                                                                  a.num_experts_per_tok, local)
+        assert b["inter"] == eng["expert_inter_padded"] >= local and b["inter"] % 32 == 0
+        cands = MOE.candidates(b)
+        want = moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"])
+        assert [moe_config.MoeConfig.from_dict(c) for c in cands] == want
+        assert cands[0] == moe_config.default_moe_config(b["m"], b["topk"], b["e"], b["inter"], b["d"]).to_dict()
+    # where the engine does not bind the MoE plugin there is nothing to tune
+    assert MOE.buckets(_engine(ep=2, tp=2)) == []
+    assert MOE.buckets(_engine(disable=("moe",))) == []
+    assert MOE.buckets(_engine(arch="cpu")) == []
+    no_norm = _engine()
+    no_norm["model"]["text_config"]["norm_topk_prob"] = False
+    assert MOE.buckets(no_norm) == []
+
+
+def test_moe_table_covers_buckets_and_lookup_falls_back_once(caplog):
+    shape = {"e": 16, "inter": 64, "inter_valid": 48, "d": 256, "topk": 2, "swiglu_limit": 10.0}
+    c1 = moe_config.default_moe_config(1, 2, 16, 64, 256)
+    c8 = dataclasses.replace(c1, split13=3, pdl=True)
+    tuned = {"entries": [{"op": "moe", "bucket": {**shape, "m": 1}, "config": c1.to_dict()},
+                         {"op": "moe", "bucket": {**shape, "m": 8}, "config": c8.to_dict()},
+                         {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}]}
+    table = moe_table(tuned)
+    assert set(table) == {moe_config.key_str(16, 64, 256, 2, b) for b in (1, 2, 4, 8)}
+    try:
+        moe_config.set_table(table)
+        assert moe_config.lookup(1, 2, 16, 64, 256) == c1
+        assert moe_config.lookup(3, 2, 16, 64, 256) == c8
+        with caplog.at_level(logging.WARNING, logger="dsflash.plugins.moe_config"):
+            for _ in range(3):   # 20 tokens: bucket 32 was not tuned -> the default rule, said once
+                assert moe_config.lookup(20, 2, 16, 64, 256) == moe_config.default_moe_config(20, 2, 16, 64, 256)
+        assert len([r for r in caplog.records if "no tuned entry" in r.getMessage()]) == 1
+    finally:
+        moe_config.set_table(None)
+
+
+@pytest.mark.gpu
+def test_moe_tunes_on_the_gpu():
+    """On an sm90 GPU: every MoE bucket gets a verified winner, and the serve table covers the tuned buckets."""
+    _, data = _tuned_on_gpu(MOE)
+    assert all("failed" not in e for e in data["entries"])
+    assert len(moe_table(data)) == 7   # token buckets 1, 2, 4, ..., 64
+
+
+def _tuned_on_gpu(op: TunableOp) -> tuple[dict, dict]:
+    """Tune `op` for a tiny sm90 engine (max_num_tokens 64) on this GPU (skip without one): every bucket must get an
+    entry whose recorded time is its fastest candidate's. -> (engine, tuned.json data)."""
+    eng = _engine(max_num_tokens=64)
+    if tune_mod._cannot_measure(op, "sm90"):
+        pytest.skip(tune_mod._cannot_measure(op, "sm90"))
+    data = tune(eng, "sm90", [op])
+    assert data["skipped"] == [] and [e["bucket"] for e in data["entries"]] == op.buckets(eng)
+    for e in data["entries"]:
+        assert 0 < e["time_us"] < float("inf") and e["time_us"] == min(e["candidates"].values())
+    return eng, data

@@ -1,0 +1,68 @@
+"""Driver for Nsight Compute profiles of the decode kernels (issue 6): it launches each kernel twice.
+
+- `moe`: the MXFP4 MoE decode GEMVs (w13 + SwiGLU, w2) on one TP8 rank (I 288 -> 320) at M = 3 and 8, default configs.
+- `gemm`: the dense FP8 decode GEMM at M = 8 on the TP1 shapes of >= 16 MB with the swap-AB MMA configs the tuner
+  picks there (BF16-dequant, 128 K per iteration), and the plain FP8-MMA config for comparison.
+
+On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.json, section "Session 4" of README.md):
+    ncu --clock-control none --metrics <list in ncu_decode_h200.json> \
+        -k 'regex:_moe_w13|_moe_w2|_fp8_gemm_g32' --csv python3 benchmarks/ncu_decode.py moe
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsflash.plugins import moe as M
+from dsflash.plugins import refs, tuning
+from dsflash.plugins.fp8_gemm import fp8_gemm
+
+DEV = "cuda"
+D, E, TOPK, INTER, IPAD = 5120, 384, 6, 288, 320          # V4.1-Flash, one TP8 rank's expert slice
+GEMM_CASES = [(4608, 5120, tuning.GemmConfig(128, 16, 8, 4, 4, swap_ab=True, dequant_bf16=True, kgroups=4)),
+              (5120, 8192, tuning.GemmConfig(128, 16, 7, 4, 4, swap_ab=True, dequant_bf16=True, kgroups=4)),
+              (32768, 1280, tuning.GemmConfig(128, 16, 1, 4, 4, swap_ab=True, dequant_bf16=True, kgroups=4)),
+              (32768, 1280, tuning.GemmConfig(128, 16, 1, 4, 8, swap_ab=True))]
+
+
+def run_moe(g: torch.Generator) -> None:
+    gw = (torch.randn(E, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(E, device=DEV, generator=g) * 0.05
+    w13_q = torch.randint(-128, 128, (E, 2 * IPAD, D // 2), dtype=torch.int8, device=DEV, generator=g)
+    w13_s = torch.randint(117, 124, (E, 2 * IPAD, D // 32), dtype=torch.uint8, device=DEV, generator=g)
+    w2_q = torch.randint(-128, 128, (E, D, IPAD // 2), dtype=torch.int8, device=DEV, generator=g)
+    w2_s = torch.randint(117, 124, (E, D, IPAD // 32), dtype=torch.uint8, device=DEV, generator=g)
+    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    for m in (3, 8):
+        x = (torch.randn(m, D, device=DEV, generator=g) * 2).to(torch.bfloat16)
+        cfg = M.default_moe_config(m, TOPK, E, IPAD, D)
+        w, ids, xq = M.router(x, gw, bias, TOPK, 1.5, xq_layout=cfg.xq_layout)
+        out = torch.zeros(m, D, device=DEV)
+        for _ in range(2):
+            hp = M.gemv_w13(xq, w, ids, w13_q, w13_s, INTER, 10.0, cfg)
+            M.gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
+        torch.cuda.synchronize()
+
+
+def run_gemm() -> None:
+    for n, k, cfg in GEMM_CASES:
+        w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
+        a_q, a_s = refs.act_quant_ref(torch.randn(8, k, device=DEV).to(torch.bfloat16))
+        for _ in range(2):
+            fp8_gemm(a_q, a_s, w_q, w_s, cfg)
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("moe", "gemm"))
+    a = p.parse_args()
+    if a.what == "moe":
+        run_moe(torch.Generator(device=DEV).manual_seed(3))
+    else:
+        run_gemm()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Tiles of the MXFP4 MoE expert kernels (`moe.py`): the config, the measured default rule, the candidates build
+times, and the table serve looks configs up in. Triton-free (build and CPU tests import it).
+
+`build` times `moe_candidates` per local expert shape and token bucket and records the winners in tuned.json
+(`build.tune`, op "moe"); at engine load `set_table` installs them; `lookup` returns a bucket's tuned config, or the
+default rule's and says so once in the log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from dsflash.plugins.tuning import m_bucket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Expert-GEMM tiles. gemv: the decode path (one (token, expert) pair per program, CUDA-core GEMV, bn13/bk13
+    for the w13 tile of 2·bn13 rows, bn2/bk2 for w2, no token blocks); else the sorted path (block_m tokens of one
+    expert per program, MXFP4 dequantized to BF16 in registers by `tl.dot_scaled`, BF16 tensor cores)."""
+    gemv: bool = True
+    bn13: int = 64
+    bk13: int = 128
+    bn2: int = 128
+    bk2: int = 128
+    warps: int = 4          # w13 kernel
+    stages: int = 4
+    block_m: int = 16
+    warps2: int = 4         # w2 kernel
+    split13: int = 1        # GEMV K slices (w13: reduced by the tile's last program; w2: atomic adds)
+    split2: int = 1
+    acc16: bool = False     # GEMV: f16 in-block accumulation (`_mx_gemv16_step`), activations as f16 codes
+    stages2: int = 0        # w2 pipelining depth (0: `stages`)
+    pdl: bool = False       # GEMV: programmatic dependent launch (each kernel's launch and ramp overlap the tail of
+                            # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait)
+
+    def tag(self) -> str:
+        kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
+        s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
+        return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{'_pdl' if self.pdl else ''}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoeConfig":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    @property
+    def xq_layout(self) -> str:
+        """The activation layout the config's expert GEMMs read (see `router`)."""
+        return ("gemv16" if self.acc16 else "gemv") if self.gemv else "bf16"
+
+
+def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6) -> int:
+    """K slices so that about `target` programs run, keeping >= 2 K steps per slice. (H200 sweep,
+    benchmarks/moe_gemv_sweep_h200.json: with 4-warp tiles, ~400 programs is where the latency-bound GEMV stops
+    gaining from more warps and starts paying for the split-K reduction.)"""
+    return max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
+
+
+def gemv_warps(rows: int, bk: int) -> int:
+    """Warps of a decode GEMV tile of `rows` weight rows × bk K: each thread holds 16 weight words (128 codes) per
+    step, so the activations it loads are reused over 4 rows (SASS: 8 rows-words per thread or fewer cost more
+    instructions per weight element)."""
+    return max(1, rows * (bk // 8) // 512)
+
+
+def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: int, pairs: int, inter: int,
+              dim: int, acc16: bool = True, split2: int | None = None) -> MoeConfig:
+    """A decode GEMV config: warps from `gemv_warps` (w13 tiles hold 2·bn13 rows), split-K from the pair count
+    (`_gemv_split`) unless given."""
+    s13 = _gemv_split(pairs * -(-inter // bn13), dim // bk13)
+    s2 = _gemv_split(pairs * -(-dim // bn2), -(-inter // bk2)) if split2 is None else split2
+    return MoeConfig(True, bn13, bk13, bn2, bk2, gemv_warps(2 * bn13, bk13), stages, 16, gemv_warps(bn2, bk2), s13,
+                     s2, acc16, stages2)
+
+
+def _div(n: int, want: int, floor: int) -> int:
+    """The largest power of two <= want dividing n (at least floor)."""
+    b = want
+    while b > floor and n % b:
+        b //= 2
+    return b
+
+
+def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
+    """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
+    H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
+    w2 64 rows × 256 K for a long intermediate (TP1-like), 256 rows × 128 K, 2 K slices and no cp.async staging
+    for a short one (one TP8 rank: 320). Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the
+    average expert gets more than ~24/48 tokens)."""
+    if t * topk <= 2 * n_experts:
+        bk13 = _div(dim, 256, 32)
+        if inter >= 1024:
+            return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
+        return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+    avg = t * topk / max(1, n_experts)
+    bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
+    if bm == 16:
+        return MoeConfig(False, 32, _div(dim, 128, 32), 64, _div(inter, 128, 32), 4, 3, 16, 4)
+    return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
+
+
+def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
+    """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default tiles and at
+    the previous default tiles, other f16 tilings, other split-K counts."""
+    d = default_moe_config(t, topk, n_experts, inter, dim)
+    out = [d]
+    if d.gemv:
+        out.append(dataclasses.replace(d, pdl=not d.pdl))
+        p = t * topk
+        old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
+                        _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
+        out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
+                dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
+                dataclasses.replace(d, split13=min(6, 2 * d.split13)),
+                _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
+                _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
+    return list(dict.fromkeys(out))
+
+
+# -- the table build writes and serve reads --------------------------------------------------------------------------
+_table: dict[str, MoeConfig] | None = None
+_warned: set[str] = set()
+
+
+def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int) -> str:
+    """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k) at a token bucket."""
+    return f"E{n_experts}xI{inter}xD{dim}k{topk}@{bucket}"
+
+
+def set_table(entries: dict | None) -> None:
+    """Install tuned configs {key_str(...): MoeConfig dict} (None: no table)."""
+    global _table
+    _warned.clear()
+    _table = None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()}
+
+
+def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
+    """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
+    key = key_str(n_experts, inter, dim, topk, m_bucket(t))
+    if _table is not None and key in _table:
+        return _table[key]
+    default = default_moe_config(t, topk, n_experts, inter, dim)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("moe %s: no tuned entry%s, using the default config %s", key,
+                    "" if _table is not None else " (no table loaded)", default.tag())
+    return default

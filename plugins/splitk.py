@@ -1,0 +1,47 @@
+"""Split-K reduction inside one launch, shared by the GEMM, GEMV, MoE and WO-A kernels.
+
+Every K slice stores its fp32 partial to a workspace and bumps its output tile's counter (acq_rel, GPU scope); the
+last slice to arrive sums the partials in slice order (deterministic: the same sum whatever the arrival order), runs
+the kernel's own epilogue, and resets the counter, so counters are zero between launches and no second kernel runs.
+Imports Triton: load this module lazily.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_counters: dict[tuple[str, str, int], torch.Tensor] = {}
+
+
+def split_counter(device: torch.device, n: int, owner: str) -> torch.Tensor:
+    """int32 tile counters for `owner`'s launches on `device`, zero between calls; grown (one allocation) when a larger
+    grid first needs more. One buffer per owner, so kernels of different ops never share a counter; calls of one owner
+    run on one stream at a time. (Keyed by device type too: TRITON_INTERPRET runs on the CPU.)"""
+    idx = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    key = (owner, device.type, idx)
+    c = _counters.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _counters[key] = c
+    return c
+
+
+@triton.jit
+def splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
+    """Store K slice pid_k's fp32 partial at ws_ptr + pid_k·SLAB + off; True for the tile's last slice to arrive."""
+    tl.store(ws_ptr + pid_k * SLAB + off, part, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return done == SPLIT - 1
+
+
+@triton.jit
+def splitk_total(like, ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB):
+    """(The last slice only) the sum of the tile's SPLIT partials in slice order, shaped like `like`; resets the
+    tile's counter."""
+    tot = tl.zeros_like(like)
+    for s in range(0, SPLIT):
+        tot += tl.load(ws_ptr + s * SLAB + off, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return tot
