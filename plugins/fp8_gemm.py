@@ -21,7 +21,7 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
-from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tuning import GemmConfig
 
 
@@ -194,7 +194,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         stride_op, stride_oq = n, 1
     tiles = triton.cdiv(P, cfg.block_p) * triton.cdiv(Q, cfg.block_q)
     n_it = triton.cdiv(k, QBLOCK * cfg.kgroups)
-    split = triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(cfg.split_k, n_it))))   # no empty K slices
+    split = k_slices(n_it, cfg.split_k)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, tiles, "fp8_gemm") if split > 1 else out
     grid = (tiles, split)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from dsflash.plugins.fp8_gemm import gemm_operands
 from dsflash.plugins.refs import E4M3, E8M0
-from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tuning import GemmConfig
 
 MAX_M = 8   # tokens; beyond that the MMA path is the one to use
@@ -321,8 +321,8 @@ def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     block_k, split_k, num_warps, num_stages); out: optional BF16 [M, N] contiguous.
     """
     assert config.gemv, f"not a gemv config: {config}"
+    out = gemm_operands(a_q, a_s, w_q, w_s, out)
     assert a_q.shape[0] <= config.block_q, f"M={a_q.shape[0]} exceeds the config's {config.block_q} tokens"
-    assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
     want = torch.float16 if config.acc16 else E4M3
     assert a_q.dtype == want, (f"config {config.tag()} reads {want} activation codes, got {a_q.dtype}"
                                + (" (act_quant(x, codes16=True))" if config.acc16 else ""))
@@ -332,7 +332,6 @@ def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     assert m <= MAX_M, f"the GEMV path takes at most {MAX_M} tokens, got M={m}"
     assert a_s.dtype in (torch.float32, E8M0, torch.uint8), f"activation scales must be fp32 or e8m0, got {a_s.dtype}"
     assert w_s.dtype in (E8M0, torch.uint8), f"weight scales must be e8m0, got {w_s.dtype}"
-    out = gemm_operands(a_q, a_s, w_q, w_s, out)
     if m == 0 or n == 0:
         return out
     sa_e8 = a_s.dtype != torch.float32
@@ -340,7 +339,7 @@ def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     bn, bk = config.block_p, config.block_k
     n_tiles = triton.cdiv(n, bn)
     n_it = triton.cdiv(k, bk)
-    split = triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(config.split_k, n_it))))   # no empty K slices
+    split = k_slices(n_it, config.split_k)
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, n_tiles, "fp8_gemv") if split > 1 else out
     if config.acc16:

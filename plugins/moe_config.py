@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from dsflash.plugins.tuning import m_bucket
+from dsflash.plugins.tuning import ConfigTable, m_bucket
 
 log = logging.getLogger(__name__)
 
@@ -125,30 +125,20 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
 
 
 # -- the table build writes and serve reads --------------------------------------------------------------------------
-_table: dict[str, MoeConfig] | None = None
-_warned: set[str] = set()
-
-
 def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int) -> str:
     """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k) at a token bucket."""
     return f"E{n_experts}xI{inter}xD{dim}k{topk}@{bucket}"
 
 
+_moe_table = ConfigTable("moe", str, log)
+
+
 def set_table(entries: dict | None) -> None:
     """Install tuned configs {key_str(...): MoeConfig dict} (None: no table)."""
-    global _table
-    _warned.clear()
-    _table = None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()}
+    _moe_table.install(None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()})
 
 
 def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
     """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
-    key = key_str(n_experts, inter, dim, topk, m_bucket(t))
-    if _table is not None and key in _table:
-        return _table[key]
-    default = default_moe_config(t, topk, n_experts, inter, dim)
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("moe %s: no tuned entry%s, using the default config %s", key,
-                    "" if _table is not None else " (no table loaded)", default.tag())
-    return default
+    return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t)),
+                          lambda: default_moe_config(t, topk, n_experts, inter, dim), MoeConfig.tag)

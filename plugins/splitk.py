@@ -27,6 +27,12 @@ def split_counter(device: torch.device, n: int, owner: str) -> torch.Tensor:
     return c
 
 
+def k_slices(n_it: int, want: int) -> int:
+    """The split count to launch for `want` slices of n_it K iterations: at most n_it, and no slice left empty
+    (every slice gets cdiv(n_it, split) iterations, the last at least one)."""
+    return triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(want, n_it))))
+
+
 @triton.jit
 def splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
     """Store K slice pid_k's fp32 partial at ws_ptr + pid_k·SLAB + off; True for the tile's last slice to arrive."""

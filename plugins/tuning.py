@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Callable, Hashable, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NUM_SMS = 132  # H200
 PATHS = ("fp8", "bf16cache")
@@ -192,20 +194,41 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
 
 
 # -- the table build writes and serve reads --------------------------------------------------------------------------
-_table: dict[tuple[int, int, int], tuple[str, GemmConfig]] | None = None
-_warned: set[tuple[int, int, int]] = set()
+class ConfigTable:
+    """Serve-side tuned configs with a visible fallback: a key missing from the installed table (or any key while no
+    table is installed) gets the caller's default, and that is logged once per key (never silently)."""
+
+    def __init__(self, what: str, label: Callable[[Hashable], str], logger: logging.Logger):
+        self.what, self.label, self.log = what, label, logger
+        self.entries: dict | None = None
+        self._warned: set = set()
+
+    def install(self, entries: dict | None) -> None:
+        self._warned.clear()
+        self.entries = entries
+
+    def get(self, key: Hashable, default: Callable[[], T], tag: Callable[[T], str]) -> T:
+        if self.entries is not None and key in self.entries:
+            return self.entries[key]
+        value = default()
+        if key not in self._warned:
+            self._warned.add(key)
+            self.log.warning("%s %s: no tuned entry%s, using the default config %s", self.what, self.label(key),
+                             "" if self.entries is not None else " (no table loaded)", tag(value))
+        return value
 
 
 def key_str(n: int, k: int, bucket: int) -> str:
     return f"{n}x{k}@{bucket}"
 
 
+_gemm_table = ConfigTable("fp8 GEMM", lambda key: key_str(*key), log)
+
+
 def set_table(entries: dict | None) -> None:
     """Install tuned entries {"NxK@bucket": {"path": "fp8"|"bf16cache", "config": {...}}} (None: no table)."""
-    global _table
-    _warned.clear()
     if entries is None:
-        _table = None
+        _gemm_table.install(None)
         return
     t = {}
     for key, val in entries.items():
@@ -214,19 +237,12 @@ def set_table(entries: dict | None) -> None:
         path = val.get("path", "fp8")
         assert path in PATHS, path
         t[(n, k, int(b))] = (path, GemmConfig.from_dict(val.get("config", {})))
-    _table = t
+    _gemm_table.install(t)
 
 
 def lookup(n: int, k: int, m: int) -> tuple[str, GemmConfig]:
     """(path, config) for a GEMM of M tokens; falls back to ("fp8", default_config) and logs that once per key."""
-    key = (n, k, m_bucket(m))
-    if _table is not None and key in _table:
-        return _table[key]
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("fp8 GEMM %s: no tuned entry%s, using the default config %s", key_str(*key),
-                    "" if _table is not None else " (no table loaded)", default_config(n, k, m).tag())
-    return "fp8", default_config(n, k, m)
+    return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m)), lambda v: v[1].tag())
 
 
 def get_config(n: int, k: int, m: int) -> GemmConfig:
