@@ -3,6 +3,8 @@
 - `moe`: the MXFP4 MoE decode GEMVs (w13 + SwiGLU, w2) on one TP8 rank (I 288 -> 320) at M = 3 and 8, default configs.
 - `gemm`: the dense FP8 decode GEMM at M = 8 on the TP1 shapes of >= 16 MB with the swap-AB MMA configs the tuner
   picks there (BF16-dequant, 128 K per iteration), and the plain FP8-MMA config for comparison.
+- `prefill`: the Gluon large-M FP8 GEMM (`fp8_gemm_gluon`, the config the tuner picked at M = 4096 in session 5) on
+  wo_b TP1 and wq_a (results: benchmarks/ncu_prefill_h200.json).
 
 On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.json, section "Session 4" of README.md):
     ncu --clock-control none --metrics <list in ncu_decode_h200.json> \
@@ -54,14 +56,29 @@ def run_gemm() -> None:
         torch.cuda.synchronize()
 
 
+PREFILL_CASES = [(5120, 8192), (1280, 5120)]
+
+
+def run_prefill() -> None:
+    cfg = tuning.GLUON_SPACE[0]
+    for n, k in PREFILL_CASES:
+        w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
+        a_q, a_s = refs.act_quant_ref(torch.randn(4096, k, device=DEV).to(torch.bfloat16))
+        for _ in range(2):
+            fp8_gemm(a_q, a_s, w_q, w_s, cfg)
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("moe", "gemm"))
+    p.add_argument("what", choices=("moe", "gemm", "prefill"))
     a = p.parse_args()
     if a.what == "moe":
         run_moe(torch.Generator(device=DEV).manual_seed(3))
-    else:
+    elif a.what == "gemm":
         run_gemm()
+    else:
+        run_prefill()
 
 
 if __name__ == "__main__":

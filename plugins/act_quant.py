@@ -15,16 +15,14 @@ import triton.language as tl
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
     act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, E4M3, E8M0, QBLOCK)
+from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 
 @triton.jit
 def _quant_g32(v):
     """v [G, 32] fp32 -> (q e4m3 [G, 32], scale exponent e int32 [G]); scale = 2^e."""
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-    bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
+    e = scale_exp(tl.max(tl.abs(v), axis=1))
+    q = tl.minimum(tl.maximum(v * exp2i(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
     return q, e
 
 
@@ -34,7 +32,7 @@ def _store_q_scale(q, e, q_ptrs, s_ptrs, mask, gmask, SCALE_E8M0: tl.constexpr):
     if SCALE_E8M0:
         tl.store(s_ptrs, (e + 127).to(tl.uint8), mask=gmask)
     else:
-        tl.store(s_ptrs, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=gmask)
+        tl.store(s_ptrs, exp2i(e), mask=gmask)
 
 
 @triton.jit
@@ -91,7 +89,7 @@ def _act_quant_kernel(
             _store_q_scale(q, e, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + kg, mask, gmask,
                            SCALE_E8M0)
         if WRITE_DQ:
-            sc = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            sc = exp2i(e)
             tl.store(dq_ptr + row * stride_dq + offs, (q.to(tl.float32) * sc[:, None]).to(dq_ptr.dtype.element_ty),
                      mask=mask)
 

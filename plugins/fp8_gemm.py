@@ -22,6 +22,7 @@ from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig
 
 
@@ -30,7 +31,7 @@ def _scale_col(base, kb, n_kb, mask, E8M0: tl.constexpr):
     """[B] fp32 scales of K block kb (0 past K or mask)."""
     s = tl.load(base + kb, mask=mask & (kb < n_kb), other=0)
     if E8M0:
-        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        s = e8m0_to_f32(s)
     return s
 
 
@@ -40,7 +41,7 @@ def _scale_tile(base, kb, n_kb, mask, KG: tl.constexpr, E8M0: tl.constexpr):
     g = kb + tl.arange(0, KG)
     s = tl.load(base[:, None] + g[None, :], mask=mask[:, None] & (g < n_kb)[None, :], other=0)
     if E8M0:
-        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        s = e8m0_to_f32(s)
     return s
 
 
@@ -59,14 +60,7 @@ def _fp8_gemm_g32_kernel(
     DEQUANT_BF16, where each operand is scaled per 32-block in registers before one BF16 MMA)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_p = tl.cdiv(P, BLOCK_P)
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    # grouped tile order: GROUP_P row-tiles share their column tiles in L2
-    in_group = GROUP_P * num_q
-    first_p = (pid // in_group) * GROUP_P
-    gsize = tl.minimum(num_p - first_p, GROUP_P)
-    pid_p = first_p + (pid % in_group) % gsize
-    pid_q = (pid % in_group) // gsize
+    pid_p, pid_q = grouped_tile(pid, tl.cdiv(P, BLOCK_P), tl.cdiv(Q, BLOCK_Q), GROUP_P)
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -165,7 +159,8 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     w_q e4m3 [N, K] contiguous, w_s [ceil(N/32), K/32] e8m0|fp32 contiguous; K % 32 == 0.
     (Measured on the H200: fp32 weight scales, which Triton streams by cp.async, did not speed up decode and made
     the large-M FP8-MMA configs 1.4-1.9× slower than the 1-byte e8m0 scales; keep e8m0.)
-    config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead;
+    config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead,
+    a `gluon` config (large M, K % 128 == 0) `fp8_gemm_gluon.fp8_gemm_gluon`;
     out: optional BF16 [M, N] contiguous; w_tiled: tile_weight(w_q, config), required by (and only used with) a
     `tiled_w` config.
     """
@@ -182,6 +177,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     out = gemm_operands(a_q, a_s, w_q, w_s, out)
     if m == 0 or n == 0:
         return out
+    if cfg.gluon:   # explicit-wgmma large-M kernel (fp8_gemm_gluon.py)
+        from dsflash.plugins.fp8_gemm_gluon import fp8_gemm_gluon
+        return fp8_gemm_gluon(a_q, a_s, w_q, w_s, cfg, out)
     sa, sa_e8 = _scale_arg(a_s)
     sb, sb_e8 = _scale_arg(w_s)
     if cfg.swap_ab:   # P = W rows (n), Q = tokens (m); out[m, n] = acc[p=n, q=m]

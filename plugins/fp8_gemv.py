@@ -35,6 +35,7 @@ import triton.language as tl
 from dsflash.plugins.fp8_gemm import gemm_operands
 from dsflash.plugins.refs import E4M3, E8M0
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.tl_helpers import e8m0_to_f32, split4
 from dsflash.plugins.tuning import GemmConfig
 
 MAX_M = 8   # tokens; beyond that the MMA path is the one to use
@@ -54,7 +55,7 @@ def _tok_step(acc, wf, swf, a_row, sa_row, m, M, k0, K, kk, kb, KB,
         a = tl.load(a_row + k0 + kk, mask=mm & (k0 + kk < K), other=0.0)
         sa = tl.load(sa_row + kb, mask=mm & (kb < KB), other=0)
     if AS_E8M0:
-        sa = (sa.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        sa = e8m0_to_f32(sa)
     af = tl.reshape(a.to(tl.float32), (CH, VEC))
     part = tl.sum(wf * af[None, :, :], axis=2)                                   # [BN, CH]: 16 exact products each
     return acc + part * (swf * sa)[None, :]
@@ -95,7 +96,7 @@ def _fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
         else:
             sw = tl.load(sw_row + kb, mask=kb < KB, other=0)
         wf = tl.reshape(w.to(tl.float32), (BLOCK_N, CH, VEC))
-        swf = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        swf = e8m0_to_f32(sw)
         acc0 = _tok_step(acc0, wf, swf, a_ptr, as_ptr, 0, M, k0, K, kk, kb, KB, AS_E8M0, CH, VEC, EVEN_K)
         if M_PAD > 1:
             acc1 = _tok_step(acc1, wf, swf, a_ptr + stride_am, as_ptr + stride_asm, 1, M, k0, K, kk, kb, KB,
@@ -158,7 +159,7 @@ def _tok_step16(acc, w, a_row, sa_row, m, M, k0p, KP, op, kb, KB, swf,
     else:
         sa = tl.load(sa_row + kb[None, :], mask=mm & (kb < KB)[None, :], other=0)
     if AS_E8M0:
-        sa = (sa.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        sa = e8m0_to_f32(sa)
     # the block's 16 f16x2 pairs as 4 loads of 4 consecutive pairs (16 bytes each: in-thread, like the weight words)
     base = a_row + k0p + op[None, :]                                                 # [1, 4·CB]
     msk = mm if EVEN_K else mm & (k0p + op < KP)
@@ -179,10 +180,7 @@ def _tok_step16(acc, w, a_row, sa_row, m, M, k0p, KP, op, kb, KB, swf,
 def _split4(t, B: tl.constexpr):
     """[A, 4·B] loaded in 16-byte chunks (4 consecutive entries in-thread) -> the 4 entries of each chunk, [A, B]
     each, in order."""
-    a, b = tl.split(tl.reshape(t, (t.shape[0], B, 2, 2)))
-    a0, a2 = tl.split(a)
-    b1, b3 = tl.split(b)
-    return a0, b1, a2, b3
+    return split4(tl.reshape(t, (t.shape[0], B, 2, 2)))
 
 
 @triton.jit
@@ -227,7 +225,7 @@ def _fp8_gemv16_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
             sw = tl.load(sw_row + kb[None, :])                                          # [1, CB]
         else:
             sw = tl.load(sw_row + kb[None, :], mask=(kb < KB)[None, :], other=0)
-        swf = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        swf = e8m0_to_f32(sw)
         q0, q1, q2, q3 = _split4(wlo, CB)
         q4, q5, q6, q7 = _split4(whi, CB)
         p0, p1 = _cvt4(q0)

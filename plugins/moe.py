@@ -43,6 +43,7 @@ from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives b
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
     MoeConfig, _div, default_moe_config, gemv_warps, lookup, moe_candidates)
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 
 QBLOCK = 32
 
@@ -55,12 +56,9 @@ def _quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
     (codes fp32 [ROWS, COLS] (e4m3 values), scales fp32 [ROWS/32, COLS]). Scale 2^e,
     e = ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern (as act_quant._quant_g32)."""
     v3 = tl.reshape(v, (ROWS // 32, 32, COLS))
-    amax = tl.maximum(tl.max(tl.abs(v3), axis=1), 1e-4)                 # [ROWS/32, COLS]
-    bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    sc = ((127 + e) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(v3 * inv[:, None, :], -448.0), 448.0).to(tl.float8e4nv)
+    e = scale_exp(tl.max(tl.abs(v3), axis=1))                            # [ROWS/32, COLS]
+    sc = exp2i(e)
+    q = tl.minimum(tl.maximum(v3 * exp2i(-e)[:, None, :], -448.0), 448.0).to(tl.float8e4nv)
     return tl.reshape(q.to(tl.float32), (ROWS, COLS)), sc
 
 
@@ -370,8 +368,7 @@ def _mx_gemv_step(acc, w_ptrs, s, xa, xb, xc, xd, mw, mn, EVEN: tl.constexpr):
         w = tl.load(w_ptrs)
     else:
         w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
-    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return _mx_dot8(acc, w, sc, xa, xb, xc, xd)
+    return _mx_dot8(acc, w, e8m0_to_f32(s), xa, xb, xc, xd)
 
 
 def _mx_dot32h_asm() -> str:
@@ -415,15 +412,6 @@ def _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc):
 
 
 @triton.jit
-def _split4(t):
-    """[..., 2, 2] (a [..., 4] reshaped) -> its 4 entries along the last two dims, in order."""
-    a, b = tl.split(t)
-    a0, a2 = tl.split(a)
-    b1, b3 = tl.split(b)
-    return a0, b1, a2, b3
-
-
-@triton.jit
 def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
                     ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
     """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks, e8m0 scales s loaded by the
@@ -440,10 +428,10 @@ def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
         xh = tl.load(x_ptrs[None, :] + K8, mask=mw[None, :], other=0)
         xs = tl.load(xs_ptrs[None, :], mask=mb[None, :], other=0.0)
     # the activation rows are loaded 2-D [1, BW] and split like the weight tile, so they land in its layout
-    w0, w1, w2, w3 = _split4(tl.reshape(w, (ROWS, BW // 4, 2, 2)))
-    l0, l1, l2, l3 = _split4(tl.reshape(xl, (1, BW // 4, 2, 2)))
-    h0, h1, h2, h3 = _split4(tl.reshape(xh, (1, BW // 4, 2, 2)))
-    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * xs
+    w0, w1, w2, w3 = split4(tl.reshape(w, (ROWS, BW // 4, 2, 2)))
+    l0, l1, l2, l3 = split4(tl.reshape(xl, (1, BW // 4, 2, 2)))
+    h0, h1, h2, h3 = split4(tl.reshape(xh, (1, BW // 4, 2, 2)))
+    sc = e8m0_to_f32(s) * xs
     return _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc)
 
 

@@ -34,6 +34,9 @@ class GemmConfig:
     the same launch, num_warps, num_stages; group_p, kgroups, dequant_bf16 and tiled_w keep their defaults.
     acc16 (gemv only): sum each 32-block's products as packed f16 FMAs, widened to fp32 once per block
     (`fp8_gemv._fp8_gemv16_kernel`); the activation then comes as f16 codes (`act_quant(x, codes16=True)`).
+    gluon (large M, K % 128 == 0): the explicit-wgmma kernel of `fp8_gemm_gluon` in the normal orientation:
+    block_p = BM (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages 128-K TMA stages, group_p;
+    maxnreg (gluon only, 0 = compiler's choice) caps registers per thread so more CTAs share an SM.
     """
     block_p: int = 128
     block_q: int = 128
@@ -48,8 +51,19 @@ class GemmConfig:
     gemv: bool = False
     block_k: int = 0
     acc16: bool = False
+    gluon: bool = False
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
+        if self.gluon:
+            assert self.block_p in (64, 128) and self.block_q in (64, 128), f"gluon tile {self.block_p}x{self.block_q}"
+            assert self.num_warps == self.block_p // 16, "gluon: one warp per 16 tile rows (64 -> 4, 128 -> 8)"
+            assert self.split_k == 1 and self.num_stages >= 2 and self.kgroups == 1, self
+            assert not (self.swap_ab or self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k), \
+                "gluon configs are normal-orientation FP8 MMA and take no other path's options"
+            assert self.maxnreg == 0 or 64 <= self.maxnreg <= 255, self.maxnreg
+            return
+        assert self.maxnreg == 0, "maxnreg is a gluon field"
         if self.gemv:
             bp, bq, bk = self.block_p, self.block_q, self.block_k
             assert 1 <= bp <= 32 and bp & (bp - 1) == 0, f"gemv block_p={bp} must be a power of two <= 32"
@@ -79,6 +93,9 @@ class GemmConfig:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def tag(self) -> str:
+        if self.gluon:
+            return (f"L{self.block_p}x{self.block_q}w{self.num_warps}st{self.num_stages}"
+                    f"{f'r{self.maxnreg}' if self.maxnreg else ''}")
         if self.gemv:
             return (f"G{self.block_p}x{self.block_q}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
                     f"{'_h16' if self.acc16 else ''}")
@@ -152,6 +169,13 @@ def gemv_candidates(n: int, k: int) -> list[GemmConfig]:
             for bp, bk, warps, target in space]
 
 
+# The Gluon wgmma kernel (M > 64). Measured at M = 4096 on the H200 (benchmarks/README.md, session 5): the 64-row
+# tile capped at 168 registers (three CTAs per SM) was the fastest on all six shapes, 453-642 TFLOP/s.
+GLUON_BLOCK_K = 128
+GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig(64, 128, 1, 4, 4, gluon=True),
+               GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
+
+
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
     """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first."""
     kb = _cdiv(k, 32)
@@ -185,6 +209,8 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                     GemmConfig(128, 256, 1, 8, 4, dequant_bf16=True)):
             split = _split_for(_cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q), _cdiv(kb, cfg.kgroups), target=NUM_SMS)
             out.append(dataclasses.replace(cfg, split_k=split))
+        if k % GLUON_BLOCK_K == 0:
+            out += GLUON_SPACE
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

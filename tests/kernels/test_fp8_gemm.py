@@ -42,6 +42,21 @@ def test_fp8_gemm_e8m0_and_strided_activations(m):
     big = torch.empty(m, k + 64, dtype=torch.float8_e4m3fn, device=DEV)
     big[:, :k] = a_q
     assert refs.rel_err(fp8_gemm(big[:, :k], a_s, w_q, w_s), ref) < 1e-2
+    if m > 64:   # the Gluon kernel's e8m0-activation and strided-A paths
+        for cfg in tuning.GLUON_SPACE:
+            assert refs.rel_err(fp8_gemm(big[:, :k], a_s, w_q, w_s, cfg), ref) < 1e-2, cfg.tag()
+
+
+@pytest.mark.parametrize("m,n", [(4096, 1056), (130, 4096), (65, 288)])
+def test_fp8_gemm_gluon_tails(m, n):
+    """Row and column tails of the Gluon kernel: N not a multiple of the tile, M one past a tile, K = 2304."""
+    from dsflash.plugins.fp8_gemm import fp8_gemm
+    _, a_q, a_s, w_q, w_s = _operands(m, n, 2304)
+    ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
+    for cfg in tuning.GLUON_SPACE:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        fp8_gemm(a_q, a_s, w_q, w_s, cfg, out=out)
+        assert refs.rel_err(out, ref) < 1e-2, cfg.tag()
 
 
 @pytest.mark.parametrize("m", [1, 3, 257])

@@ -262,3 +262,17 @@ def _tuned_on_gpu(op: TunableOp) -> tuple[dict, dict]:
     for e in data["entries"]:
         assert 0 < e["time_us"] < float("inf") and e["time_us"] == min(e["candidates"].values())
     return eng, data
+
+
+def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
+    cfg = tuning.GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168)
+    assert cfg.tag() == "L64x128w4st3r168" and tuning.GemmConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (dict(block_p=256), dict(num_warps=8), dict(split_k=2), dict(swap_ab=True), dict(dequant_bf16=True),
+                dict(maxnreg=300), dict(block_q=256)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(cfg, **bad)
+    with pytest.raises(AssertionError, match="maxnreg is a gluon field"):
+        tuning.GemmConfig(128, 64, maxnreg=128)
+    # large M with K % 128 == 0 only; decode buckets never see the Gluon kernel
+    assert set(tuning.GLUON_SPACE) <= set(tuning.candidates(5120, 8192, 4096))
+    assert not any(c.gluon for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5120, 288, 4096))

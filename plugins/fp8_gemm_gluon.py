@@ -1,0 +1,170 @@
+"""Group-32 FP8 GEMM for large M (prefill) on explicit Hopper wgmma, written in Gluon.
+
+y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ)·sa[m, kb]·sw[n/32, kb], fp32 promotion every 32 K: the contract and numerics
+of `fp8_gemm._fp8_gemm_g32_kernel`, normal orientation (A rows on the tile's M side). What differs from it:
+- the promotion is one FFMA per accumulator element. The per-column W scale is built from the tile's BN/32 block
+  scales by a select on the column's block index, which is a compile-time constant per register, so the scale
+  product costs one FMUL per (row, block) a thread holds instead of one per element;
+- the K loop issues fewer non-FFMA instructions (4 K blocks per TMA stage, W scales read as one 32-bit word per
+  block row and stage), and a 64-row tile capped at 168 registers lets three CTAs share an SM, so one CTA's
+  promotion runs while another's MMA does (benchmarks/README.md, session 5: 2× the Triton kernel at M = 4096).
+Needs K % 128 == 0. Imports Triton's Gluon: load this module lazily.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
+from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
+from dsflash.plugins.tuning import GemmConfig
+
+_KB = gl.constexpr(BLOCK_K // 32)
+
+
+@gluon.jit
+def _fold(acc, p, sa, sw_col):
+    """acc + p·(sa ⊗ sw_col), one FFMA per element. Volatile asm keeps each fold next to its MMA: LLVM would
+    otherwise sink all of a stage's folds below its last MMA and hold every partial live at once."""
+    s = gl.expand_dims(sa, 1) * gl.expand_dims(sw_col, 0)
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [p, s, acc], dtype=gl.float32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stage_scales(sa_base, sw_base, stride_sw, kb0, n_kb, row_ok, cols_blk, nb0, n_nb,
+                  NB: gl.constexpr, AS_E8M0: gl.constexpr):
+    """Scales of the stage's 4 K blocks from kb0 (0 past K or out of range): a tuple of 4 sa [BM] and a tuple of 4
+    per-column W scales [BN]. Each W-scale row is read as one 32-bit word (4 consecutive K blocks)."""
+    k_ok = kb0 < n_kb
+    words = ()
+    for j in gl.static_range(NB):
+        wp = (sw_base + j * stride_sw + kb0).to(gl.pointer_type(gl.int32))
+        words = words + (gl.load(wp, mask=(nb0 + j < n_nb) & k_ok, other=0), )
+    sa = ()
+    sw = ()
+    for kk in gl.static_range(_KB):
+        s = gl.load(sa_base + kb0 + kk, mask=row_ok & k_ok, other=0)
+        if AS_E8M0:
+            s = e8m0_to_f32(s)
+        sa = sa + (s, )
+        col = (((words[0] >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+        for j in gl.static_range(1, NB):
+            w = (((words[j] >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+            col = gl.where(cols_blk == j, w, col)
+        sw = sw + (col, )
+    return sa, sw
+
+
+@gluon.jit
+def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K, stride_om, stride_as, stride_ws,
+                               AS_E8M0: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    NB: gl.constexpr = BN // 32
+    gl.static_assert(BK == 32 * _KB, "4 scale blocks per stage")
+
+    pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    n_it = gl.cdiv(K, BK)
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for s in gl.static_range(NUM_STAGES - 1):   # out-of-range rows / K are zero-filled by TMA
+        ok = s < n_it
+        mbarrier.expect(ready.index(s), stage_bytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [off_m, s * BK], ready.index(s), a_bufs.index(s), pred=ok)
+        tma.async_copy_global_to_shared(b_desc, [off_n, s * BK], ready.index(s), b_bufs.index(s), pred=ok)
+
+    rows = off_m + gl.arange(0, BM, layout=rows_l)
+    row_ok = rows < M
+    sa_base = as_ptr + rows * stride_as
+    cols = off_n + gl.arange(0, BN, layout=cols_l)
+    cols_blk = gl.arange(0, BN, layout=cols_l) // 32
+    nb0 = off_n // 32
+    n_nb = gl.cdiv(N, 32)
+    sw_base = ws_ptr + nb0 * stride_ws
+    n_kb = K // 32
+    sa, sw = _stage_scales(sa_base, sw_base, stride_ws, 0, n_kb, row_ok, cols_blk, nb0, n_nb, NB, AS_E8M0)
+
+    acc = gl.zeros([BM, BN], gl.float32, mma)
+    part = gl.zeros([BM, BN], gl.float32, mma)
+    for it in range(n_it):
+        st = it % NUM_STAGES
+        mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+        a_s = a_bufs.index(st)
+        b_s = b_bufs.index(st)
+        # the next stage's scales: loaded now, used a stage later
+        nxt_sa, nxt_sw = _stage_scales(sa_base, sw_base, stride_ws, (it + 1) * _KB, n_kb, row_ok, cols_blk, nb0,
+                                       n_nb, NB, AS_E8M0)
+        for kk in gl.static_range(_KB):
+            # part: [BM, BN] = A[:, 32 K] · W[BN, 32 K]ᵀ (fresh, fp32), folded at once: promotion every 32 K
+            part = warpgroup_mma(a_s.slice(kk * 32, 32, dim=1), b_s.slice(kk * 32, 32, dim=1).permute((1, 0)),
+                                 part, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            acc = _fold(acc, part, sa[kk], sw[kk])
+            if kk == 0:
+                # every warp is past the previous stage's MMAs: refill its slot
+                gl.thread_barrier()
+                nxt = it + NUM_STAGES - 1
+                ok = nxt < n_it
+                slot = nxt % NUM_STAGES
+                mbarrier.expect(ready.index(slot), stage_bytes, pred=ok)
+                tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], ready.index(slot), a_bufs.index(slot),
+                                                pred=ok)
+                tma.async_copy_global_to_shared(b_desc, [off_n, nxt * BK], ready.index(slot), b_bufs.index(slot),
+                                                pred=ok)
+        sa = nxt_sa
+        sw = nxt_sw
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    o_off = gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
+    gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def gluon_supported(k: int) -> bool:
+    """Shapes the Gluon kernel takes: whole 128-wide K stages (each W-scale row read as 32-bit words)."""
+    return k % BLOCK_K == 0
+
+
+def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`.
+    cfg.gluon: block_p = BM rows (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages, maxnreg."""
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    assert cfg.gluon, cfg
+    assert gluon_supported(k), f"the Gluon FP8 GEMM needs K % {BLOCK_K} == 0, got K={k}"
+    assert w_s.dtype != torch.float32 and w_s.data_ptr() % 4 == 0 and w_s.stride(0) % 4 == 0, \
+        "the Gluon FP8 GEMM reads e8m0 weight scales as 32-bit words"
+    as_e8 = a_s.dtype != torch.float32
+    sa = a_s.view(torch.uint8) if as_e8 else a_s
+    bm, bn = cfg.block_p, cfg.block_q
+    a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
+    b_desc = TensorDescriptor(w_q, [n, k], [k, 1], [bn, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv))
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), )
+    _fp8_gemm_g32_gluon_kernel[grid](
+        a_desc, b_desc, out, sa, w_s.view(torch.uint8), m, n, k, out.stride(0), sa.stride(0), w_s.stride(0),
+        AS_E8M0=as_e8, GROUP_M=cfg.group_p, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return out
