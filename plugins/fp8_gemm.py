@@ -108,7 +108,7 @@ def _fp8_gemm_g32_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     elif splitk_arrive(acc, ws_ptr, o_off, o_mask, cnt_ptr, pid, pid_k, SPLIT_K, stride_os):
-        tot = splitk_total(acc, ws_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT_K, stride_os)
+        tot = splitk_total(ws_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT_K, stride_os)
         tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
@@ -160,7 +160,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     (Measured on the H200: fp32 weight scales, which Triton streams by cp.async, did not speed up decode and made
     the large-M FP8-MMA configs 1.4-1.9× slower than the 1-byte e8m0 scales; keep e8m0.)
     config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead,
-    a `gluon` config (large M, K % 128 == 0) `fp8_gemm_gluon.fp8_gemm_gluon`;
+    a `gluon` config (K % 128 == 0; large M, or M <= 8 with swap_ab) `fp8_gemm_gluon.fp8_gemm_gluon`;
     out: optional BF16 [M, N] contiguous; w_tiled: tile_weight(w_q, config), required by (and only used with) a
     `tiled_w` config.
     """
@@ -177,7 +177,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     out = gemm_operands(a_q, a_s, w_q, w_s, out)
     if m == 0 or n == 0:
         return out
-    if cfg.gluon:   # explicit-wgmma large-M kernel (fp8_gemm_gluon.py)
+    if cfg.gluon:   # explicit-wgmma kernels (fp8_gemm_gluon.py)
         from dsflash.plugins.fp8_gemm_gluon import fp8_gemm_gluon
         return fp8_gemm_gluon(a_q, a_s, w_q, w_s, cfg, out)
     sa, sa_e8 = _scale_arg(a_s)

@@ -1,14 +1,21 @@
-"""Group-32 FP8 GEMM for large M (prefill) on explicit Hopper wgmma, written in Gluon.
+"""Group-32 FP8 GEMMs on explicit Hopper wgmma, written in Gluon: one for large M (prefill), one for decode.
 
 y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ)·sa[m, kb]·sw[n/32, kb], fp32 promotion every 32 K: the contract and numerics
-of `fp8_gemm._fp8_gemm_g32_kernel`, normal orientation (A rows on the tile's M side). What differs from it:
+of `fp8_gemm._fp8_gemm_g32_kernel`.
+
+Decode (M <= 8, `_fp8_gemm_g32_gluon_decode_kernel`, swap-AB: 64 weight rows × 8 tokens): each TMA stage brings
+1-4 boxes of 128 K; all of a stage's m64n8k32 MMAs are issued before one wait (a partial is 4 registers), so the
+weight stream never stalls on an MMA round trip; split-K slices are reduced in the same launch (`splitk`).
+
+Large M (`_fp8_gemm_g32_gluon_kernel`, normal orientation, A rows on the tile's M side). What differs from the
+Triton kernel:
 - the promotion is one FFMA per accumulator element. The per-column W scale is built from the tile's BN/32 block
   scales by a select on the column's block index, which is a compile-time constant per register, so the scale
   product costs one FMUL per (row, block) a thread holds instead of one per element;
 - the K loop issues fewer non-FFMA instructions (4 K blocks per TMA stage, W scales read as one 32-bit word per
   block row and stage), and a 64-row tile capped at 168 registers lets three CTAs share an SM, so one CTA's
   promotion runs while another's MMA does (benchmarks/README.md, session 5: 2× the Triton kernel at M = 4096).
-Needs K % 128 == 0. Imports Triton's Gluon: load this module lazily.
+Both need K % 128 == 0. Imports Triton's Gluon: load this module lazily.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig
 
@@ -140,15 +148,111 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
     gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@gluon.jit
+def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, M, N, K,
+                                      stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
+                                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
+    A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
+    issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA."""
+    BP: gl.constexpr = w_desc.block_type.shape[0]
+    BQ: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    gl.static_assert(BK == 32 * _KB, "128 K per box")
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    off_n = pid * BP
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BQ, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * BOXES, BP, BK], w_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * BOXES, BQ, BK], a_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    stage_bytes: gl.constexpr = BOXES * (w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+    n_st = gl.cdiv(K, BK * BOXES)
+    per = gl.cdiv(n_st, SPLIT)
+    st0 = pid_k * per
+    n_my = gl.minimum(st0 + per, n_st) - st0
+    for s in gl.static_range(NUM_STAGES - 1):
+        ok = s < n_my
+        mbarrier.expect(ready.index(s), stage_bytes, pred=ok)
+        for b in gl.static_range(BOXES):
+            k0 = ((st0 + s) * BOXES + b) * BK
+            tma.async_copy_global_to_shared(w_desc, [off_n, k0], ready.index(s), w_bufs.index(s * BOXES + b), pred=ok)
+            tma.async_copy_global_to_shared(a_desc, [0, k0], ready.index(s), a_bufs.index(s * BOXES + b), pred=ok)
+
+    rows = off_n + gl.arange(0, BP, layout=rows_l)
+    rows_ok = rows < N
+    toks = gl.arange(0, BQ, layout=cols_l)
+    toks_ok = toks < M
+    sw_row = ws_ptr + (rows // 32) * stride_ws
+    sa_col = as_ptr + toks * stride_as
+    n_kb = K // 32
+    zero = gl.zeros([BP, BQ], gl.float32, mma)
+    acc = gl.zeros([BP, BQ], gl.float32, mma)
+    for i in range(n_my):
+        st = i % NUM_STAGES
+        mbarrier.wait(ready.index(st), (i // NUM_STAGES) & 1)
+        kb0 = (st0 + i) * BOXES * _KB
+        parts = ()
+        for b in gl.static_range(BOXES):
+            w_s = w_bufs.index(st * BOXES + b)
+            a_s = a_bufs.index(st * BOXES + b)
+            for kk in gl.static_range(_KB):   # parts[b·4 + kk]: [64 weight rows, 8 tokens] of one 32-K block
+                parts = parts + (warpgroup_mma(w_s.slice(kk * 32, 32, dim=1),
+                                               a_s.slice(kk * 32, 32, dim=1).permute((1, 0)),
+                                               zero, use_acc=False, is_async=True), )
+        parts = warpgroup_mma_wait(0, deps=parts)
+        for b in gl.static_range(BOXES):
+            words = gl.load((sw_row + kb0 + b * _KB).to(gl.pointer_type(gl.int32)),
+                            mask=rows_ok & (kb0 + b * _KB < n_kb), other=0)
+            for kk in gl.static_range(_KB):
+                kb = kb0 + b * _KB + kk
+                sw = (((words >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+                sa = gl.load(sa_col + kb, mask=toks_ok & (kb < n_kb), other=0)
+                if AS_E8M0:
+                    sa = e8m0_to_f32(sa)
+                acc = acc + parts[b * _KB + kk] * (gl.expand_dims(sw, 1) * gl.expand_dims(sa, 0))
+        # every MMA of this stage is done: refill its slot
+        gl.thread_barrier()
+        nxt = i + NUM_STAGES - 1
+        ok = nxt < n_my
+        slot = nxt % NUM_STAGES
+        mbarrier.expect(ready.index(slot), stage_bytes, pred=ok)
+        for b in gl.static_range(BOXES):
+            k0 = ((st0 + nxt) * BOXES + b) * BK
+            tma.async_copy_global_to_shared(w_desc, [off_n, k0], ready.index(slot), w_bufs.index(slot * BOXES + b),
+                                            pred=ok)
+            tma.async_copy_global_to_shared(a_desc, [0, k0], ready.index(slot), a_bufs.index(slot * BOXES + b),
+                                            pred=ok)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    # out[tok, n] = acc[n, tok]
+    o_off = gl.expand_dims(toks * N, 0) + gl.expand_dims(rows, 1)
+    o_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks_ok, 0)
+    if SPLIT == 1:
+        gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    elif splitk_arrive(acc, part_ptr, o_off, o_mask, cnt_ptr, pid, pid_k, SPLIT, M * N):
+        tot = splitk_total(part_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT, M * N)
+        gl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 def gluon_supported(k: int) -> bool:
-    """Shapes the Gluon kernel takes: whole 128-wide K stages (each W-scale row read as 32-bit words)."""
+    """Shapes the Gluon kernels take: whole 128-wide K blocks (each W-scale row read as 32-bit words)."""
     return k % BLOCK_K == 0
 
 
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
                    out: torch.Tensor) -> torch.Tensor:
     """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`.
-    cfg.gluon: block_p = BM rows (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages, maxnreg."""
+    cfg.gluon: block_p = BM rows (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages, maxnreg;
+    with swap_ab the decode kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per
+    stage, split_k, num_stages."""
     m, k = a_q.shape
     n = w_q.shape[0]
     assert cfg.gluon, cfg
@@ -157,6 +261,8 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
         "the Gluon FP8 GEMM reads e8m0 weight scales as 32-bit words"
     as_e8 = a_s.dtype != torch.float32
     sa = a_s.view(torch.uint8) if as_e8 else a_s
+    if cfg.swap_ab:
+        return _decode(a_q, sa, as_e8, w_q, w_s, cfg, out)
     bm, bn = cfg.block_p, cfg.block_q
     a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
@@ -167,4 +273,23 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
         a_desc, b_desc, out, sa, w_s.view(torch.uint8), m, n, k, out.stride(0), sa.stride(0), w_s.stride(0),
         AS_E8M0=as_e8, GROUP_M=cfg.group_p, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return out
+
+
+def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
+            out: torch.Tensor) -> torch.Tensor:
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    assert m <= cfg.block_q, f"the Gluon decode GEMM takes M <= {cfg.block_q} tokens, got {m}"
+    w_desc = TensorDescriptor(w_q, [n, k], [k, 1], [cfg.block_p, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_p, BLOCK_K], gl.float8e4nv))
+    a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [cfg.block_q, BLOCK_K],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv))
+    tiles = triton.cdiv(n, cfg.block_p)
+    split = k_slices(triton.cdiv(k, BLOCK_K * cfg.kgroups), cfg.split_k)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
+    _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
+        w_desc, a_desc, out, w_s.view(torch.uint8), sa, part, cnt, m, n, k, w_s.stride(0), sa.stride(0), split,
+        AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages, num_warps=4)
     return out

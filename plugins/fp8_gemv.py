@@ -305,7 +305,7 @@ def _store_or_reduce(y, out_ptr, part_ptr, cnt_ptr, pid_n, pid_k, M, N, offs_n, 
     if SPLIT == 1:
         tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=o_mask)
     elif splitk_arrive(y, part_ptr, o_off, o_mask, cnt_ptr, pid_n, pid_k, SPLIT, M * N):
-        tot = splitk_total(y, part_ptr, o_off, o_mask, cnt_ptr, pid_n, SPLIT, M * N)
+        tot = splitk_total(part_ptr, o_off, o_mask, cnt_ptr, pid_n, SPLIT, M * N)
         tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 

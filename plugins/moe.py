@@ -527,7 +527,7 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
         tile = p * tl.num_programs(1) + pid_n
         wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
-            tot = splitk_total(gu, wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
+            tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
             _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
 
 

@@ -43,11 +43,11 @@ def splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
 
 
 @triton.jit
-def splitk_total(like, ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB):
-    """(The last slice only) the sum of the tile's SPLIT partials in slice order, shaped like `like`; resets the
-    tile's counter."""
-    tot = tl.zeros_like(like)
-    for s in range(0, SPLIT):
+def splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB):
+    """(The last slice only) the sum of the tile's SPLIT partials in slice order, in off's layout (no constant
+    tensors, so Gluon kernels call it too); resets the tile's counter."""
+    tot = tl.load(ws_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT):
         tot += tl.load(ws_ptr + s * SLAB + off, mask=mask, other=0.0, cache_modifier=".cg")
     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     return tot

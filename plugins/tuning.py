@@ -34,9 +34,10 @@ class GemmConfig:
     the same launch, num_warps, num_stages; group_p, kgroups, dequant_bf16 and tiled_w keep their defaults.
     acc16 (gemv only): sum each 32-block's products as packed f16 FMAs, widened to fp32 once per block
     (`fp8_gemv._fp8_gemv16_kernel`); the activation then comes as f16 codes (`act_quant(x, codes16=True)`).
-    gluon (large M, K % 128 == 0): the explicit-wgmma kernel of `fp8_gemm_gluon` in the normal orientation:
+    gluon (K % 128 == 0): the explicit-wgmma kernels of `fp8_gemm_gluon`. Large M, normal orientation:
     block_p = BM (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages 128-K TMA stages, group_p;
-    maxnreg (gluon only, 0 = compiler's choice) caps registers per thread so more CTAs share an SM.
+    maxnreg (0 = compiler's choice) caps registers per thread so more CTAs share an SM. With swap_ab, the decode
+    kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per stage, split_k, num_stages.
     """
     block_p: int = 128
     block_q: int = 128
@@ -56,12 +57,16 @@ class GemmConfig:
 
     def __post_init__(self) -> None:
         if self.gluon:
+            assert not (self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k), \
+                "gluon configs are FP8 MMA and take no other path's options"
+            assert self.num_stages >= 2 and (self.maxnreg == 0 or 64 <= self.maxnreg <= 255), self
+            if self.swap_ab:   # decode kernel: 64 weight rows × 8 tokens, kgroups 128-K boxes per stage
+                assert (self.block_p, self.block_q, self.num_warps) == (64, 8, 4), "gluon decode tile is 64x8, 4 warps"
+                assert self.kgroups in (1, 2, 4) and self.split_k >= 1 and self.maxnreg == 0, self
+                return
             assert self.block_p in (64, 128) and self.block_q in (64, 128), f"gluon tile {self.block_p}x{self.block_q}"
             assert self.num_warps == self.block_p // 16, "gluon: one warp per 16 tile rows (64 -> 4, 128 -> 8)"
-            assert self.split_k == 1 and self.num_stages >= 2 and self.kgroups == 1, self
-            assert not (self.swap_ab or self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k), \
-                "gluon configs are normal-orientation FP8 MMA and take no other path's options"
-            assert self.maxnreg == 0 or 64 <= self.maxnreg <= 255, self.maxnreg
+            assert self.split_k == 1 and self.kgroups == 1, self
             return
         assert self.maxnreg == 0, "maxnreg is a gluon field"
         if self.gemv:
@@ -93,6 +98,8 @@ class GemmConfig:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def tag(self) -> str:
+        if self.gluon and self.swap_ab:
+            return f"LT{self.block_p}x{self.block_q}b{self.kgroups}s{self.split_k}st{self.num_stages}"
         if self.gluon:
             return (f"L{self.block_p}x{self.block_q}w{self.num_warps}st{self.num_stages}"
                     f"{f'r{self.maxnreg}' if self.maxnreg else ''}")
@@ -176,6 +183,18 @@ GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig
                GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
 
 
+# The Gluon decode kernel (M <= 8): (128-K boxes per stage, stages, programs aimed at). 4 boxes × 3 stages and
+# 2 × 6 hold 108 KB of shared memory (two CTAs per SM), 2 × 4 72 KB (three).
+_GLUON_DECODE_SPACE = ((4, 3, 2 * NUM_SMS), (2, 6, 2 * NUM_SMS), (2, 4, 3 * NUM_SMS), (4, 3, 4 * NUM_SMS))
+
+
+def gluon_decode_candidates(n: int, k: int) -> list[GemmConfig]:
+    """Configs of the Gluon decode kernel (`fp8_gemm_gluon`, swap-AB, M <= 8) for an (N, K) weight."""
+    return [GemmConfig(64, 8, _split_for(_cdiv(n, 64), _cdiv(k, GLUON_BLOCK_K * boxes), target), 4, stages,
+                       swap_ab=True, kgroups=boxes, gluon=True)
+            for boxes, stages, target in _GLUON_DECODE_SPACE]
+
+
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
     """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first."""
     kb = _cdiv(k, 32)
@@ -202,6 +221,8 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                                   dequant_bf16=dq, kgroups=kg, tiled_w=True))
         if m <= GEMV_MAX_M:
             out += gemv_candidates(n, k)
+            if k % GLUON_BLOCK_K == 0:
+                out += gluon_decode_candidates(n, k)
     else:
         for cfg in (GemmConfig(128, 128, 1, 8, 4), GemmConfig(64, 128, 1, 4, 6),
                     GemmConfig(128, 256, 1, 8, 3, dequant_bf16=True, kgroups=2),

@@ -64,7 +64,7 @@ def _wo_a_kernel(w_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, ws_ptr, cnt_ptr,
     if SPLIT == 1:
         tl.store(out_ptr + z_off, acc.to(out_ptr.dtype.element_ty), mask=mq[None, :])
     elif splitk_arrive(acc, ws_ptr, z_off, mq[None, :], cnt_ptr, pid, pid_k, SPLIT, SLAB):
-        tot = splitk_total(acc, ws_ptr, z_off, mq[None, :], cnt_ptr, pid, SPLIT, SLAB)
+        tot = splitk_total(ws_ptr, z_off, mq[None, :], cnt_ptr, pid, SPLIT, SLAB)
         tl.store(out_ptr + z_off, tot.to(out_ptr.dtype.element_ty), mask=mq[None, :])
 
 

@@ -42,18 +42,21 @@ def test_fp8_gemm_e8m0_and_strided_activations(m):
     big = torch.empty(m, k + 64, dtype=torch.float8_e4m3fn, device=DEV)
     big[:, :k] = a_q
     assert refs.rel_err(fp8_gemm(big[:, :k], a_s, w_q, w_s), ref) < 1e-2
-    if m > 64:   # the Gluon kernel's e8m0-activation and strided-A paths
-        for cfg in tuning.GLUON_SPACE:
-            assert refs.rel_err(fp8_gemm(big[:, :k], a_s, w_q, w_s, cfg), ref) < 1e-2, cfg.tag()
+    # the Gluon kernels' e8m0-activation and strided-A paths
+    for cfg in tuning.GLUON_SPACE if m > 64 else tuning.gluon_decode_candidates(n, k) if m <= 8 else ():
+        assert refs.rel_err(fp8_gemm(big[:, :k], a_s, w_q, w_s, cfg), ref) < 1e-2, cfg.tag()
 
 
-@pytest.mark.parametrize("m,n", [(4096, 1056), (130, 4096), (65, 288)])
+@pytest.mark.parametrize("m,n", [(4096, 1056), (130, 4096), (65, 288), (1, 1056), (3, 4096), (8, 288)])
 def test_fp8_gemm_gluon_tails(m, n):
-    """Row and column tails of the Gluon kernel: N not a multiple of the tile, M one past a tile, K = 2304."""
+    """Row and column tails of the Gluon kernels: N not a multiple of the tile, M one past a tile (or fewer tokens
+    than the decode tile's 8), K = 2304 (a partial last stage)."""
     from dsflash.plugins.fp8_gemm import fp8_gemm
     _, a_q, a_s, w_q, w_s = _operands(m, n, 2304)
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
-    for cfg in tuning.GLUON_SPACE:
+    cfgs = tuning.GLUON_SPACE if m > 8 else tuning.gluon_decode_candidates(n, 2304) + [
+        tuning.GemmConfig(64, 8, 3, 4, 2, swap_ab=True, kgroups=1, gluon=True)]
+    for cfg in cfgs:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
         fp8_gemm(a_q, a_s, w_q, w_s, cfg, out=out)
         assert refs.rel_err(out, ref) < 1e-2, cfg.tag()

@@ -273,6 +273,13 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
             dataclasses.replace(cfg, **bad)
     with pytest.raises(AssertionError, match="maxnreg is a gluon field"):
         tuning.GemmConfig(128, 64, maxnreg=128)
-    # large M with K % 128 == 0 only; decode buckets never see the Gluon kernel
+    # large M with K % 128 == 0 only; the decode kernel (swap-AB, 64x8) only at M <= 8
     assert set(tuning.GLUON_SPACE) <= set(tuning.candidates(5120, 8192, 4096))
-    assert not any(c.gluon for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5120, 288, 4096))
+    assert not any(c.gluon for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5120, 288, 4096)
+                   + tuning.candidates(5120, 288, 8))
+    dec = [c for c in tuning.candidates(5120, 8192, 8) if c.gluon]
+    assert dec == tuning.gluon_decode_candidates(5120, 8192) and all(c.swap_ab and c.block_q == 8 for c in dec)
+    assert dec[0].tag() == "LT64x8b4s4st3" and tuning.GemmConfig.from_dict(dec[0].to_dict()) == dec[0]
+    for bad in (dict(block_p=128), dict(block_q=16), dict(kgroups=3), dict(maxnreg=168), dict(num_stages=1)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(dec[0], **bad)
