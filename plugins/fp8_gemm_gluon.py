@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
+from dsflash.plugins.fp8_gemm import _scale_arg
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig
@@ -257,12 +258,12 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     n = w_q.shape[0]
     assert cfg.gluon, cfg
     assert gluon_supported(k), f"the Gluon FP8 GEMM needs K % {BLOCK_K} == 0, got K={k}"
-    assert w_s.dtype != torch.float32 and w_s.data_ptr() % 4 == 0 and w_s.stride(0) % 4 == 0, \
+    sa, as_e8 = _scale_arg(a_s)
+    ws8, ws_e8 = _scale_arg(w_s)
+    assert ws_e8 and ws8.data_ptr() % 4 == 0 and ws8.stride(0) % 4 == 0, \
         "the Gluon FP8 GEMM reads e8m0 weight scales as 32-bit words"
-    as_e8 = a_s.dtype != torch.float32
-    sa = a_s.view(torch.uint8) if as_e8 else a_s
     if cfg.swap_ab:
-        return _decode(a_q, sa, as_e8, w_q, w_s, cfg, out)
+        return _decode(a_q, sa, as_e8, w_q, ws8, cfg, out)
     bm, bn = cfg.block_p, cfg.block_q
     a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
@@ -270,14 +271,15 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
                               gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), )
     _fp8_gemm_g32_gluon_kernel[grid](
-        a_desc, b_desc, out, sa, w_s.view(torch.uint8), m, n, k, out.stride(0), sa.stride(0), w_s.stride(0),
+        a_desc, b_desc, out, sa, ws8, m, n, k, out.stride(0), sa.stride(0), ws8.stride(0),
         AS_E8M0=as_e8, GROUP_M=cfg.group_p, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
-def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
+def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor, ws8: torch.Tensor, cfg: GemmConfig,
             out: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's launch: sa, ws8 as `_scale_arg` returns them (ws8: e8m0 bytes)."""
     m, k = a_q.shape
     n = w_q.shape[0]
     assert m <= cfg.block_q, f"the Gluon decode GEMM takes M <= {cfg.block_q} tokens, got {m}"
@@ -290,6 +292,6 @@ def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor,
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
-        w_desc, a_desc, out, w_s.view(torch.uint8), sa, part, cnt, m, n, k, w_s.stride(0), sa.stride(0), split,
+        w_desc, a_desc, out, ws8, sa, part, cnt, m, n, k, ws8.stride(0), sa.stride(0), split,
         AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages, num_warps=4)
     return out
