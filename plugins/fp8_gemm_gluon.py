@@ -30,7 +30,7 @@ from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage:
 from dsflash.plugins.fp8_gemm import _scale_arg
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
-from dsflash.plugins.tuning import GemmConfig
+from dsflash.plugins.tuning import GemmConfig, gluon_fits
 
 _KB = gl.constexpr(BLOCK_K // 32)
 
@@ -61,12 +61,24 @@ def _stage_scales(sa_base, sw_base, stride_sw, kb0, n_kb, row_ok, cols_blk, nb0,
         if AS_E8M0:
             s = e8m0_to_f32(s)
         sa = sa + (s, )
-        col = (((words[0] >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+        col = e8m0_to_f32((words[0] >> (8 * kk)) & 255)
         for j in gl.static_range(1, NB):
-            w = (((words[j] >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+            w = e8m0_to_f32((words[j] >> (8 * kk)) & 255)
             col = gl.where(cols_blk == j, w, col)
         sw = sw + (col, )
     return sa, sw
+
+
+@gluon.jit
+def _load_stage(p_desc, q_desc, p_bufs, q_bufs, ready, slot, off_p, off_q, k0, ok, BOXES: gl.constexpr):
+    """TMA of one pipeline stage into ring slot `slot`, signalling ready[slot]: BOXES boxes of 128 K from k0 of the
+    P rows from off_p and the Q rows from off_q (buffers slot·BOXES + b); nothing when not ok."""
+    BK: gl.constexpr = p_desc.block_type.shape[1]
+    bar = ready.index(slot)
+    mbarrier.expect(bar, BOXES * (p_desc.block_type.nbytes + q_desc.block_type.nbytes), pred=ok)
+    for b in gl.static_range(BOXES):
+        tma.async_copy_global_to_shared(p_desc, [off_p, k0 + b * BK], bar, p_bufs.index(slot * BOXES + b), pred=ok)
+        tma.async_copy_global_to_shared(q_desc, [off_q, k0 + b * BK], bar, q_bufs.index(slot * BOXES + b), pred=ok)
 
 
 @gluon.jit
@@ -94,12 +106,8 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
     n_it = gl.cdiv(K, BK)
-    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for s in gl.static_range(NUM_STAGES - 1):   # out-of-range rows / K are zero-filled by TMA
-        ok = s < n_it
-        mbarrier.expect(ready.index(s), stage_bytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [off_m, s * BK], ready.index(s), a_bufs.index(s), pred=ok)
-        tma.async_copy_global_to_shared(b_desc, [off_n, s * BK], ready.index(s), b_bufs.index(s), pred=ok)
+        _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, s, off_m, off_n, s * BK, s < n_it, 1)
 
     rows = off_m + gl.arange(0, BM, layout=rows_l)
     row_ok = rows < M
@@ -132,13 +140,8 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
                 # every warp is past the previous stage's MMAs: refill its slot
                 gl.thread_barrier()
                 nxt = it + NUM_STAGES - 1
-                ok = nxt < n_it
-                slot = nxt % NUM_STAGES
-                mbarrier.expect(ready.index(slot), stage_bytes, pred=ok)
-                tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], ready.index(slot), a_bufs.index(slot),
-                                                pred=ok)
-                tma.async_copy_global_to_shared(b_desc, [off_n, nxt * BK], ready.index(slot), b_bufs.index(slot),
-                                                pred=ok)
+                _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, nxt % NUM_STAGES, off_m, off_n, nxt * BK,
+                            nxt < n_it, 1)
         sa = nxt_sa
         sw = nxt_sw
     for s in gl.static_range(NUM_STAGES):
@@ -173,18 +176,12 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-    stage_bytes: gl.constexpr = BOXES * (w_desc.block_type.nbytes + a_desc.block_type.nbytes)
     n_st = gl.cdiv(K, BK * BOXES)
     per = gl.cdiv(n_st, SPLIT)
     st0 = pid_k * per
     n_my = gl.minimum(st0 + per, n_st) - st0
     for s in gl.static_range(NUM_STAGES - 1):
-        ok = s < n_my
-        mbarrier.expect(ready.index(s), stage_bytes, pred=ok)
-        for b in gl.static_range(BOXES):
-            k0 = ((st0 + s) * BOXES + b) * BK
-            tma.async_copy_global_to_shared(w_desc, [off_n, k0], ready.index(s), w_bufs.index(s * BOXES + b), pred=ok)
-            tma.async_copy_global_to_shared(a_desc, [0, k0], ready.index(s), a_bufs.index(s * BOXES + b), pred=ok)
+        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my, BOXES)
 
     rows = off_n + gl.arange(0, BP, layout=rows_l)
     rows_ok = rows < N
@@ -213,7 +210,7 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
                             mask=rows_ok & (kb0 + b * _KB < n_kb), other=0)
             for kk in gl.static_range(_KB):
                 kb = kb0 + b * _KB + kk
-                sw = (((words >> (8 * kk)) & 255) << 23).to(gl.float32, bitcast=True)
+                sw = e8m0_to_f32((words >> (8 * kk)) & 255)
                 sa = gl.load(sa_col + kb, mask=toks_ok & (kb < n_kb), other=0)
                 if AS_E8M0:
                     sa = e8m0_to_f32(sa)
@@ -221,15 +218,8 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         # every MMA of this stage is done: refill its slot
         gl.thread_barrier()
         nxt = i + NUM_STAGES - 1
-        ok = nxt < n_my
-        slot = nxt % NUM_STAGES
-        mbarrier.expect(ready.index(slot), stage_bytes, pred=ok)
-        for b in gl.static_range(BOXES):
-            k0 = ((st0 + nxt) * BOXES + b) * BK
-            tma.async_copy_global_to_shared(w_desc, [off_n, k0], ready.index(slot), w_bufs.index(slot * BOXES + b),
-                                            pred=ok)
-            tma.async_copy_global_to_shared(a_desc, [0, k0], ready.index(slot), a_bufs.index(slot * BOXES + b),
-                                            pred=ok)
+        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, nxt % NUM_STAGES, off_n, 0, (st0 + nxt) * BOXES * BK,
+                    nxt < n_my, BOXES)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -243,11 +233,6 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         gl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def gluon_supported(k: int) -> bool:
-    """Shapes the Gluon kernels take: whole 128-wide K blocks (each W-scale row read as 32-bit words)."""
-    return k % BLOCK_K == 0
-
-
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
                    out: torch.Tensor) -> torch.Tensor:
     """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`.
@@ -257,7 +242,7 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     m, k = a_q.shape
     n = w_q.shape[0]
     assert cfg.gluon, cfg
-    assert gluon_supported(k), f"the Gluon FP8 GEMM needs K % {BLOCK_K} == 0, got K={k}"
+    assert gluon_fits(k), f"the Gluon FP8 GEMM needs K % {BLOCK_K} == 0, got K={k}"
     sa, as_e8 = _scale_arg(a_s)
     ws8, ws_e8 = _scale_arg(w_s)
     assert ws_e8 and ws8.data_ptr() % 4 == 0 and ws8.stride(0) % 4 == 0, \

@@ -54,7 +54,7 @@ def _quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
     """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 1×32 quantization with one pow2 scale per 32
     consecutive ROWS of each column (the reference's 1×32 blocks run along dim 0 of this transposed tile):
     (codes fp32 [ROWS, COLS] (e4m3 values), scales fp32 [ROWS/32, COLS]). Scale 2^e,
-    e = ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern (as act_quant._quant_g32)."""
+    e = ceil(log2(max(amax, 1e-4) / 448)) (`tl_helpers.scale_exp`, as act_quant._quant_g32)."""
     v3 = tl.reshape(v, (ROWS // 32, 32, COLS))
     e = scale_exp(tl.max(tl.abs(v3), axis=1))                            # [ROWS/32, COLS]
     sc = exp2i(e)

@@ -179,6 +179,11 @@ def gemv_candidates(n: int, k: int) -> list[GemmConfig]:
 # The Gluon wgmma kernel (M > 64). Measured at M = 4096 on the H200 (benchmarks/README.md, session 5): the 64-row
 # tile capped at 168 registers (three CTAs per SM) was the fastest on all six shapes, 453-642 TFLOP/s.
 GLUON_BLOCK_K = 128
+
+
+def gluon_fits(k: int) -> bool:
+    """Whether the Gluon kernels take this K: whole 128-wide K blocks (each W-scale row is read as 32-bit words)."""
+    return k % GLUON_BLOCK_K == 0
 GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig(64, 128, 1, 4, 4, gluon=True),
                GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
 
@@ -221,7 +226,7 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                                   dequant_bf16=dq, kgroups=kg, tiled_w=True))
         if m <= GEMV_MAX_M:
             out += gemv_candidates(n, k)
-            if k % GLUON_BLOCK_K == 0:
+            if gluon_fits(k):
                 out += gluon_decode_candidates(n, k)
     else:
         for cfg in (GemmConfig(128, 128, 1, 8, 4), GemmConfig(64, 128, 1, 4, 6),
@@ -230,7 +235,7 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
                     GemmConfig(128, 256, 1, 8, 4, dequant_bf16=True)):
             split = _split_for(_cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q), _cdiv(kb, cfg.kgroups), target=NUM_SMS)
             out.append(dataclasses.replace(cfg, split_k=split))
-        if k % GLUON_BLOCK_K == 0:
+        if gluon_fits(k):
             out += GLUON_SPACE
     seen, uniq = set(), []
     for c in out:
