@@ -4,8 +4,11 @@ y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ)·sa[m, kb]·sw[n/32, kb], fp32 promo
 of `fp8_gemm._fp8_gemm_g32_kernel`.
 
 Decode (M <= 8, `_fp8_gemm_g32_gluon_decode_kernel`, swap-AB: 64 weight rows × 8 tokens): each TMA stage brings
-1-4 boxes of 128 K; all of a stage's m64n8k32 MMAs are issued before one wait (a partial is 4 registers), so the
-weight stream never stalls on an MMA round trip; split-K slices are reduced in the same launch (`splitk`).
+1-4 boxes of 128 K; every slot of the ring is requested up front and refilled as soon as its own MMAs are done;
+all of a stage's m64n8k32 MMAs are issued before one wait (a partial is 4 registers), so the weight stream never
+stalls on an MMA round trip; split-K slices are reduced in the same launch (`splitk`). With PDL the weight ring is
+requested before the kernel waits for its predecessor. Shallow rings on many resident programs win
+(`tuning.gluon_decode_candidates`).
 
 Large M (`_fp8_gemm_g32_gluon_kernel`, normal orientation, A rows on the tile's M side). What differs from the
 Triton kernel:
@@ -70,15 +73,30 @@ def _stage_scales(sa_base, sw_base, stride_sw, kb0, n_kb, row_ok, cols_blk, nb0,
 
 
 @gluon.jit
+def _load_boxes(desc, bufs, bar, slot, off, k0, ok, BOXES: gl.constexpr):
+    """TMA of BOXES boxes of 128 K from k0 of the rows from `off` into buffers slot·BOXES + b, on barrier `bar`."""
+    BK: gl.constexpr = desc.block_type.shape[1]
+    for b in gl.static_range(BOXES):
+        tma.async_copy_global_to_shared(desc, [off, k0 + b * BK], bar, bufs.index(slot * BOXES + b), pred=ok)
+
+
+@gluon.jit
 def _load_stage(p_desc, q_desc, p_bufs, q_bufs, ready, slot, off_p, off_q, k0, ok, BOXES: gl.constexpr):
     """TMA of one pipeline stage into ring slot `slot`, signalling ready[slot]: BOXES boxes of 128 K from k0 of the
     P rows from off_p and the Q rows from off_q (buffers slot·BOXES + b); nothing when not ok."""
-    BK: gl.constexpr = p_desc.block_type.shape[1]
     bar = ready.index(slot)
     mbarrier.expect(bar, BOXES * (p_desc.block_type.nbytes + q_desc.block_type.nbytes), pred=ok)
-    for b in gl.static_range(BOXES):
-        tma.async_copy_global_to_shared(p_desc, [off_p, k0 + b * BK], bar, p_bufs.index(slot * BOXES + b), pred=ok)
-        tma.async_copy_global_to_shared(q_desc, [off_q, k0 + b * BK], bar, q_bufs.index(slot * BOXES + b), pred=ok)
+    _load_boxes(p_desc, p_bufs, bar, slot, off_p, k0, ok, BOXES)
+    _load_boxes(q_desc, q_bufs, bar, slot, off_q, k0, ok, BOXES)
+
+
+@gluon.jit
+def _grid_dependency_wait():
+    """griddepcontrol.wait (launched with PDL): the previous kernel's writes are visible from here; then let the next
+    kernel launch, so that its own prologue (weight prefetch) overlaps this kernel's stream."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -155,10 +173,12 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
 @gluon.jit
 def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, M, N, K,
                                       stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
-                                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                                      NUM_STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
     A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
-    issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA."""
+    issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA.
+    PDL (launched with programmatic dependent launch): the weight boxes of the whole ring are requested before
+    `griddepcontrol.wait`, the tokens after it; nothing the previous kernel writes is read or written before."""
     BP: gl.constexpr = w_desc.block_type.shape[0]
     BQ: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -180,8 +200,20 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     per = gl.cdiv(n_st, SPLIT)
     st0 = pid_k * per
     n_my = gl.minimum(st0 + per, n_st) - st0
-    for s in gl.static_range(NUM_STAGES - 1):
-        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my, BOXES)
+    # every slot is filled up front: a slot is refilled only after its own stage's MMAs have completed, so a slice
+    # of <= NUM_STAGES stages (the usual decode split) is requested in one go, with no second round trip
+    if PDL:   # the weights do not depend on the previous kernel: request them before waiting for it
+        for s in gl.static_range(NUM_STAGES):
+            bar = ready.index(s)
+            mbarrier.expect(bar, BOXES * (w_desc.block_type.nbytes + a_desc.block_type.nbytes), pred=s < n_my)
+            _load_boxes(w_desc, w_bufs, bar, s, off_n, (st0 + s) * BOXES * BK, s < n_my, BOXES)
+        _grid_dependency_wait()
+        for s in gl.static_range(NUM_STAGES):
+            _load_boxes(a_desc, a_bufs, ready.index(s), s, 0, (st0 + s) * BOXES * BK, s < n_my, BOXES)
+    else:
+        for s in gl.static_range(NUM_STAGES):
+            _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my,
+                        BOXES)
 
     rows = off_n + gl.arange(0, BP, layout=rows_l)
     rows_ok = rows < N
@@ -215,11 +247,10 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
                 if AS_E8M0:
                     sa = e8m0_to_f32(sa)
                 acc = acc + parts[b * _KB + kk] * (gl.expand_dims(sw, 1) * gl.expand_dims(sa, 0))
-        # every MMA of this stage is done: refill its slot
+        # every MMA of this stage is done: refill its slot with the stage NUM_STAGES ahead
         gl.thread_barrier()
-        nxt = i + NUM_STAGES - 1
-        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, nxt % NUM_STAGES, off_n, 0, (st0 + nxt) * BOXES * BK,
-                    nxt < n_my, BOXES)
+        nxt = i + NUM_STAGES
+        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, st, off_n, 0, (st0 + nxt) * BOXES * BK, nxt < n_my, BOXES)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -238,7 +269,7 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`.
     cfg.gluon: block_p = BM rows (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages, maxnreg;
     with swap_ab the decode kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per
-    stage, split_k, num_stages."""
+    stage, split_k, num_stages, pdl."""
     m, k = a_q.shape
     n = w_q.shape[0]
     assert cfg.gluon, cfg
@@ -278,5 +309,5 @@ def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor,
     cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
         w_desc, a_desc, out, ws8, sa, part, cnt, m, n, k, ws8.stride(0), sa.stride(0), split,
-        AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages, num_warps=4)
+        AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
     return out

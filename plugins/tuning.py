@@ -37,7 +37,9 @@ class GemmConfig:
     gluon (K % 128 == 0): the explicit-wgmma kernels of `fp8_gemm_gluon`. Large M, normal orientation:
     block_p = BM (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages 128-K TMA stages, group_p;
     maxnreg (0 = compiler's choice) caps registers per thread so more CTAs share an SM. With swap_ab, the decode
-    kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per stage, split_k, num_stages.
+    kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per stage, split_k, num_stages;
+    pdl launches it with programmatic dependent launch: its weight ring is requested before it waits for the
+    previous kernel, so the weight stream starts during that kernel's tail.
     """
     block_p: int = 128
     block_q: int = 128
@@ -54,6 +56,7 @@ class GemmConfig:
     acc16: bool = False
     gluon: bool = False
     maxnreg: int = 0
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.gluon:
@@ -64,11 +67,12 @@ class GemmConfig:
                 assert (self.block_p, self.block_q, self.num_warps) == (64, 8, 4), "gluon decode tile is 64x8, 4 warps"
                 assert self.kgroups in (1, 2, 4) and self.split_k >= 1 and self.maxnreg == 0, self
                 return
+            assert not self.pdl, "pdl: the gluon decode kernel only"
             assert self.block_p in (64, 128) and self.block_q in (64, 128), f"gluon tile {self.block_p}x{self.block_q}"
             assert self.num_warps == self.block_p // 16, "gluon: one warp per 16 tile rows (64 -> 4, 128 -> 8)"
             assert self.split_k == 1 and self.kgroups == 1, self
             return
-        assert self.maxnreg == 0, "maxnreg is a gluon field"
+        assert self.maxnreg == 0 and not self.pdl, "maxnreg and pdl are gluon fields"
         if self.gemv:
             bp, bq, bk = self.block_p, self.block_q, self.block_k
             assert 1 <= bp <= 32 and bp & (bp - 1) == 0, f"gemv block_p={bp} must be a power of two <= 32"
@@ -99,7 +103,8 @@ class GemmConfig:
 
     def tag(self) -> str:
         if self.gluon and self.swap_ab:
-            return f"LT{self.block_p}x{self.block_q}b{self.kgroups}s{self.split_k}st{self.num_stages}"
+            return (f"LT{self.block_p}x{self.block_q}b{self.kgroups}s{self.split_k}st{self.num_stages}"
+                    f"{'_pdl' if self.pdl else ''}")
         if self.gluon:
             return (f"L{self.block_p}x{self.block_q}w{self.num_warps}st{self.num_stages}"
                     f"{f'r{self.maxnreg}' if self.maxnreg else ''}")
@@ -188,16 +193,43 @@ GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig
                GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
 
 
-# The Gluon decode kernel (M <= 8): (128-K boxes per stage, stages, programs aimed at). 4 boxes × 3 stages and
-# 2 × 6 hold 108 KB of shared memory (two CTAs per SM), 2 × 4 72 KB (three).
-_GLUON_DECODE_SPACE = ((4, 3, 2 * NUM_SMS), (2, 6, 2 * NUM_SMS), (2, 4, 3 * NUM_SMS), (4, 3, 4 * NUM_SMS))
+# The Gluon decode kernel (M <= 8): (128-K boxes per stage, ring stages). Every slot of the ring is requested up
+# front. The session-6 sweep (benchmarks/gemm_decode_sweep.py, gemm_decode_sweep_h200.json: 17 rings × 10 splits
+# at the three >= 16 MB shapes) was won everywhere by shallow rings (27-37 KB per program) with 2.5-4 programs per
+# SM, all resident; deeper rings and a second wave lose 10-60 %.
+_GLUON_DECODE_SPACE = ((1, 3), (2, 2), (1, 2), (1, 4), (2, 3), (4, 2))
+_GLUON_DECODE_PER_SM = (2.5, 3.0, 4.0)   # programs per SM that the split counts aim at
+SMEM_PER_SM = 228 * 1024      # H100 / H200
+SMEM_PER_CTA = 227 * 1024     # the most one CTA may take
+_SMEM_RESERVED = 1024         # per resident CTA
+
+
+def gluon_decode_smem(boxes: int, stages: int) -> int:
+    """Shared memory of one decode program: the ring of (64 weight + 8 token rows) × 128 K boxes, and barriers."""
+    return stages * boxes * (64 + 8) * GLUON_BLOCK_K + 8 * stages
 
 
 def gluon_decode_candidates(n: int, k: int) -> list[GemmConfig]:
-    """Configs of the Gluon decode kernel (`fp8_gemm_gluon`, swap-AB, M <= 8) for an (N, K) weight."""
-    return [GemmConfig(64, 8, _split_for(_cdiv(n, 64), _cdiv(k, GLUON_BLOCK_K * boxes), target), 4, stages,
-                       swap_ab=True, kgroups=boxes, gluon=True)
-            for boxes, stages, target in _GLUON_DECODE_SPACE]
+    """Configs of the Gluon decode kernel (`fp8_gemm_gluon`, swap-AB, M <= 8) for an (N, K) weight: each ring of
+    `_GLUON_DECODE_SPACE` with the split counts that put about 2.5, 3 and 4 programs on every SM (fewer where the
+    weight has as many row tiles), all of them resident at once."""
+    out = []
+    tiles = _cdiv(n, 64)
+    for boxes, stages in _GLUON_DECODE_SPACE:
+        # resident programs per SM: shared memory, and registers (offline sm_90a builds: 48-56 per thread with one
+        # box per stage, 80 with two, 128 with four)
+        regs = 32 + 24 * boxes
+        per_sm = min(SMEM_PER_SM // (gluon_decode_smem(boxes, stages) + _SMEM_RESERVED), 65536 // (128 * regs))
+        n_st = _cdiv(k, GLUON_BLOCK_K * boxes)
+        splits = set()
+        for aim in _GLUON_DECODE_PER_SM:
+            want = max(1, min(round(aim * NUM_SMS / tiles), n_st))
+            split = _cdiv(n_st, _cdiv(n_st, want))     # what splitk.k_slices launches: no empty slice
+            if tiles * split <= per_sm * NUM_SMS:
+                splits.add(split)
+        out += [GemmConfig(64, 8, s, 4, stages, swap_ab=True, kgroups=boxes, gluon=True, pdl=pdl)
+                for s in sorted(splits) for pdl in (False, True)]
+    return out
 
 
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:

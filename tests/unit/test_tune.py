@@ -271,15 +271,41 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
                 dict(maxnreg=300), dict(block_q=256)):
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
-    with pytest.raises(AssertionError, match="maxnreg is a gluon field"):
-        tuning.GemmConfig(128, 64, maxnreg=128)
+    for bad in (dict(maxnreg=128), dict(pdl=True)):
+        with pytest.raises(AssertionError, match="maxnreg and pdl are gluon fields"):
+            tuning.GemmConfig(128, 64, **bad)
+    with pytest.raises(AssertionError, match="pdl: the gluon decode kernel only"):
+        dataclasses.replace(cfg, pdl=True)
     # large M with K % 128 == 0 only; the decode kernel (swap-AB, 64x8) only at M <= 8
     assert set(tuning.GLUON_SPACE) <= set(tuning.candidates(5120, 8192, 4096))
     assert not any(c.gluon for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5120, 288, 4096)
                    + tuning.candidates(5120, 288, 8))
     dec = [c for c in tuning.candidates(5120, 8192, 8) if c.gluon]
     assert dec == tuning.gluon_decode_candidates(5120, 8192) and all(c.swap_ab and c.block_q == 8 for c in dec)
-    assert dec[0].tag() == "LT64x8b4s4st3" and tuning.GemmConfig.from_dict(dec[0].to_dict()) == dec[0]
+    assert dec[0].tag() == "LT64x8b1s4st3" and tuning.GemmConfig.from_dict(dec[0].to_dict()) == dec[0]
+    assert dec[1] == dataclasses.replace(dec[0], pdl=True) and dec[1].tag() == "LT64x8b1s4st3_pdl"
+    old_entry = {k: v for k, v in dec[1].to_dict().items() if k != "pdl"}   # a tuned.json written before `pdl`
+    assert tuning.GemmConfig.from_dict(old_entry) == dec[0]
     for bad in (dict(block_p=128), dict(block_q=16), dict(kgroups=3), dict(maxnreg=168), dict(num_stages=1)):
         with pytest.raises(AssertionError):
             dataclasses.replace(dec[0], **bad)
+
+
+@pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 8192), (32768, 1280), (576, 5120), (4096, 1280), (1056, 2304)])
+def test_gluon_decode_candidates_are_one_resident_wave(n, k):
+    """Every decode candidate's programs are resident at once (shared memory per SM), its split is one the launcher
+    keeps (no empty K slice), and the shallow rings come with split counts near 2.5-4 programs per SM."""
+    tiles = -(-n // 64)
+    cands = tuning.gluon_decode_candidates(n, k)
+    assert cands and len(set(cands)) == len(cands)
+    for c in cands:
+        n_st = -(-k // (tuning.GLUON_BLOCK_K * c.kgroups))
+        assert -(-n_st // -(-n_st // c.split_k)) == c.split_k                      # splitk.k_slices keeps it
+        per_sm = tuning.SMEM_PER_SM // (tuning.gluon_decode_smem(c.kgroups, c.num_stages) + 1024)
+        assert tiles * c.split_k <= per_sm * tuning.NUM_SMS, c.tag()
+    ring = [c for c in cands if (c.kgroups, c.num_stages) == (1, 3) and not c.pdl]
+    per_sm = [tiles * c.split_k / tuning.NUM_SMS for c in ring]
+    if tiles >= 2 * tuning.NUM_SMS:                                                # enough row tiles: no split
+        assert [c.split_k for c in ring] == [1]
+    else:   # up to ~4 programs per SM, at least 2 unless every K stage already has its own program
+        assert max(per_sm) <= 4.5 and (max(per_sm) >= 2.0 or max(c.split_k for c in ring) == k // 128), per_sm
