@@ -211,8 +211,8 @@ def gluon_decode_smem(boxes: int, stages: int) -> int:
 
 def gluon_decode_candidates(n: int, k: int) -> list[GemmConfig]:
     """Configs of the Gluon decode kernel (`fp8_gemm_gluon`, swap-AB, M <= 8) for an (N, K) weight: each ring of
-    `_GLUON_DECODE_SPACE` with the split counts that put about 2.5, 3 and 4 programs on every SM (fewer where the
-    weight has as many row tiles), all of them resident at once."""
+    `_GLUON_DECODE_SPACE` with the split counts that put about 2.5, 3 and 4 programs on every SM (no split where
+    the weight's 64-row tiles alone are that many), all of them resident at once; each with and without PDL."""
     out = []
     tiles = _cdiv(n, 64)
     for boxes, stages in _GLUON_DECODE_SPACE:
