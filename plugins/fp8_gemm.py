@@ -21,7 +21,7 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig
 
@@ -105,11 +105,7 @@ def _fp8_gemm_g32_kernel(
         cur_q = nxt_q
     o_off = offs_p.to(tl.int64)[:, None] * stride_op + offs_q.to(tl.int64)[None, :] * stride_oq
     o_mask = mask_p[:, None] & mask_q[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    elif splitk_arrive(acc, ws_ptr, o_off, o_mask, cnt_ptr, pid, pid_k, SPLIT_K, stride_os):
-        tot = splitk_total(ws_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT_K, stride_os)
-        tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
+    splitk_store(out_ptr, acc, o_off, o_mask, ws_ptr, cnt_ptr, pid, pid_k, SPLIT_K, stride_os)
 
 
 def _scale_arg(s: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -31,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
 from dsflash.plugins.fp8_gemm import _scale_arg
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig, gluon_fits
 
@@ -257,11 +257,7 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     # out[tok, n] = acc[n, tok]
     o_off = gl.expand_dims(toks * N, 0) + gl.expand_dims(rows, 1)
     o_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks_ok, 0)
-    if SPLIT == 1:
-        gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    elif splitk_arrive(acc, part_ptr, o_off, o_mask, cnt_ptr, pid, pid_k, SPLIT, M * N):
-        tot = splitk_total(part_ptr, o_off, o_mask, cnt_ptr, pid, SPLIT, M * N)
-        gl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
+    splitk_store(out_ptr, acc, o_off, o_mask, part_ptr, cnt_ptr, pid, pid_k, SPLIT, M * N)
 
 
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from dsflash.plugins.fp8_gemm import gemm_operands
 from dsflash.plugins.refs import E4M3, E8M0
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, split4
 from dsflash.plugins.tuning import GemmConfig
 
@@ -302,11 +302,7 @@ def _store_or_reduce(y, out_ptr, part_ptr, cnt_ptr, pid_n, pid_k, M, N, offs_n, 
     offs_m = tl.arange(0, M_PAD)
     o_off = offs_m[:, None] * N + offs_n[None, :]
     o_mask = (offs_m < M)[:, None] & mask_n[None, :]
-    if SPLIT == 1:
-        tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=o_mask)
-    elif splitk_arrive(y, part_ptr, o_off, o_mask, cnt_ptr, pid_n, pid_k, SPLIT, M * N):
-        tot = splitk_total(part_ptr, o_off, o_mask, cnt_ptr, pid_n, SPLIT, M * N)
-        tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=o_mask)
+    splitk_store(out_ptr, y, o_off, o_mask, part_ptr, cnt_ptr, pid_n, pid_k, SPLIT, M * N)
 
 
 def fp8_gemv(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, config: GemmConfig,

@@ -51,3 +51,14 @@ def splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB):
         tot += tl.load(ws_ptr + s * SLAB + off, mask=mask, other=0.0, cache_modifier=".cg")
     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     return tot
+
+
+@triton.jit
+def splitk_store(out_ptr, part, off, mask, ws_ptr, cnt_ptr, tile, pid_k, SPLIT, SLAB):
+    """K slice pid_k's fp32 partial -> out_ptr + off in out's dtype: stored directly when SPLIT == 1, else through
+    the workspace (`splitk_arrive`), the tile's last slice to arrive storing the slice-order sum (`splitk_total`)."""
+    if SPLIT == 1:
+        tl.store(out_ptr + off, part.to(out_ptr.dtype.element_ty), mask=mask)
+    elif splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
+        tot = splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB)
+        tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=mask)

@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.refs import inverse_rope_ref, rope_cos_sin_ref, wo_a_ref  # noqa: F401  (re-exported)
-from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import split_counter, splitk_store
 
 NUM_SMS = 132
 
@@ -61,11 +61,7 @@ def _wo_a_kernel(w_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc = tl.dot(w, xr, acc)
     offs_p = row0 + tl.arange(0, BLOCK_P)
     z_off = tq[None, :] * stride_zt + offs_p[:, None]
-    if SPLIT == 1:
-        tl.store(out_ptr + z_off, acc.to(out_ptr.dtype.element_ty), mask=mq[None, :])
-    elif splitk_arrive(acc, ws_ptr, z_off, mq[None, :], cnt_ptr, pid, pid_k, SPLIT, SLAB):
-        tot = splitk_total(ws_ptr, z_off, mq[None, :], cnt_ptr, pid, SPLIT, SLAB)
-        tl.store(out_ptr + z_off, tot.to(out_ptr.dtype.element_ty), mask=mq[None, :])
+    splitk_store(out_ptr, acc, z_off, mq[None, :], ws_ptr, cnt_ptr, pid, pid_k, SPLIT, SLAB)
 
 
 @dataclass(frozen=True)
