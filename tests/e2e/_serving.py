@@ -154,6 +154,17 @@ def metrics(client, url: str, **headers) -> dict[str, float]:
     return parse(r.text)
 
 
+def wait_metric(client, url: str, key: str, at_least: float, timeout: float = 10, **headers) -> dict[str, float]:
+    """Poll /metrics until `key` reaches `at_least` (an abort frees its pages at once, but is counted as finished
+    by the engine's next step, a moment later); returns the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(client, url, **headers)
+        if m.get(key, 0) >= at_least or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def wait_idle(client, url: str, timeout: float = 20, **headers) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and no KV-cache block is in use; returns the last sample."""
     deadline = time.monotonic() + timeout

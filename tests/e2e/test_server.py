@@ -415,7 +415,9 @@ def test_disconnect_aborts_and_frees_pages(guarded):
                    json={"prompt": [0, 671, 6102], "max_tokens": 400, "ignore_eos": True})
         m = sv.wait_idle(c, url, timeout=10, **AUTH)
         assert m["trtllm_kv_cache_used_blocks"] == 0 and m["trtllm_num_requests_running"] == 0
-        assert m['trtllm_request_success_total{finished_reason="abort"}'] >= before + 2
+        aborts = 'trtllm_request_success_total{finished_reason="abort"}'
+        m = sv.wait_metric(c, url, aborts, before + 2, **AUTH)
+        assert m[aborts] >= before + 2
 
 
 def test_grpc_cancel_aborts_and_frees_pages(guarded):
