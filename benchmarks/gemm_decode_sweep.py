@@ -28,7 +28,7 @@ BIG = 16e6
 
 def _grid(n: int, k: int, space: str) -> list[tuning.GemmConfig]:
     if space == "offered":
-        return tuning.gluon_decode_candidates(n, k)
+        return [c for c in tuning.gluon_decode_candidates(n, k) if not c.quant_in_kernel]   # GEMM alone here
     out = []
     for boxes, stages, split in itertools.product((1, 2, 4), (2, 3, 4, 5, 6, 8), (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)):
         n_st = -(-k // (tuning.GLUON_BLOCK_K * boxes))

@@ -159,19 +159,16 @@ class _Rotation:
 
 
 def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
-    from dsflash.plugins.fp8_gemm import bf16_cache_gemm, fp8_gemm
+    from dsflash.plugins.fp8_gemm import bf16_cache_gemm
     from dsflash.plugins.tuning import GemmConfig
     inp = _gemm_inputs(bucket["n"], bucket["k"], bucket["m"])
     # both paths timed as `dsflash::fp8_linear` runs them in serve: from the BF16 activation, quantization included
     if cand["path"] == "bf16cache":
         calls = [functools.partial(bf16_cache_gemm, x, w) for x, w in zip(inp.xs, inp.w16())]
     else:
-        from dsflash.plugins.act_quant import act_quant
+        from dsflash.plugins.registry import fp8_linear_config
         cfg = GemmConfig.from_dict(cand["config"])
-
-        def fp8_linear(x, w):
-            return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), *w, cfg)
-        calls = [functools.partial(fp8_linear, x, w) for x, w in zip(inp.xs, inp.ws)]
+        calls = [functools.partial(fp8_linear_config, x, *w, cfg) for x, w in zip(inp.xs, inp.ws)]
     return _verified(calls, inp.ref, GEMM_REL_TOL)
 
 

@@ -143,11 +143,17 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
+    def selection_bias(self, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """`bias` [E] for text-only input, else a row per token [N, E]: `bias_vl` where image_mask (any shape, N
+        elements) is set."""
+        if image_mask is None:
+            return self.bias
+        return torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias).contiguous()
+
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, D], image_mask [N] bool -> (weights [N, k], expert ids [N, k])."""
         scores = sqrtsoftplus(F.linear(wide(x), wide(self.weight)) / self.temp)
-        bias = self.bias if image_mask is None else torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
-        idx = (scores + bias).topk(self.topk, dim=-1).indices
+        idx = (scores + self.selection_bias(image_mask)).topk(self.topk, dim=-1).indices
         w = scores.gather(1, idx)
         if self.norm and self.topk > 1:
             w = w / (w.sum(-1, keepdim=True) + ROUTER_NORM_EPS)
@@ -175,10 +181,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.plugin is not None:
-            if image_mask is None:
-                y = self.plugin(flat, self.gate.weight, self.gate.bias, self.shared_experts(flat))
-                return self.comm.all_reduce(y).to(x.dtype).view(x.shape)
-            dispatch.warn_once("moe-image", "MoE plugin: image tokens (bias_vl routing) run the reference MoE")
+            y = self.plugin(flat, self.gate.weight, self.gate.selection_bias(image_mask), self.shared_experts(flat))
+            return self.comm.all_reduce(y).to(x.dtype).view(x.shape)
         w, idx = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         y = wide(torch.zeros(flat.shape, dtype=x.dtype, device=x.device))
         for e in idx.unique().tolist():           # ascending expert id, as the reference loop

@@ -8,7 +8,8 @@ Decode (M <= 8, `_fp8_gemm_g32_gluon_decode_kernel`, swap-AB: 64 weight rows × 
 all of a stage's m64n8k32 MMAs are issued before one wait (a partial is 4 registers), so the weight stream never
 stalls on an MMA round trip; split-K slices are reduced in the same launch (`splitk`). With PDL the weight ring is
 requested before the kernel waits for its predecessor. Shallow rings on many resident programs win
-(`tuning.gluon_decode_candidates`).
+(`tuning.gluon_decode_candidates`). `fp8_linear_gluon_decode` takes the bf16 activation and quantizes it per 1×32
+inside the kernel (bit-identical to `act_quant`), so a decode linear is one launch.
 
 Large M (`_fp8_gemm_g32_gluon_kernel`, normal orientation, A rows on the tile's M side). What differs from the
 Triton kernel:
@@ -26,13 +27,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
 from dsflash.plugins.fp8_gemm import _scale_arg
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
-from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
+from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, grouped_tile, scale_exp
 from dsflash.plugins.tuning import GemmConfig, gluon_fits
 
 _KB = gl.constexpr(BLOCK_K // 32)
@@ -88,6 +90,31 @@ def _load_stage(p_desc, q_desc, p_bufs, q_bufs, ready, slot, off_p, off_q, k0, o
     mbarrier.expect(bar, BOXES * (p_desc.block_type.nbytes + q_desc.block_type.nbytes), pred=ok)
     _load_boxes(p_desc, p_bufs, bar, slot, off_p, k0, ok, BOXES)
     _load_boxes(q_desc, q_bufs, bar, slot, off_q, k0, ok, BOXES)
+
+
+@gluon.jit
+def _quantize_tokens(x_bufs, q_bufs, slot, BOXES: gl.constexpr, cols_l: gl.constexpr, num_warps: gl.constexpr):
+    """The stage's token boxes (bf16 [BQ, 128] each, in x_bufs) quantized per 1×32 as `act_quant` does (scale
+    2^e, e = scale_exp(absmax), e4m3 with RTNE and ±448 saturation) into q_bufs, the MMA's token operand.
+    Returns the 4·BOXES scale vectors 2^e [BQ] (layout cols_l), in K-block order."""
+    BK: gl.constexpr = x_bufs.shape[2]
+    # x: [BQ = 8 tokens, 128 K], 8 consecutive K per thread (a quarter of a 32-block)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    grp = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, blk)) // 32, 0)   # [1, BK]: K block in box
+    scales = ()
+    for b in gl.static_range(BOXES):
+        v = x_bufs.index(slot * BOXES + b).load(blk).to(gl.float32)                  # [BQ, BK]
+        mag = gl.abs(v)
+        inv = v * 0.0
+        for g in gl.static_range(BK // 32):
+            e = scale_exp(gl.max(gl.where(grp == g, mag, 0.0), axis=1))              # [BQ]
+            inv = gl.where(grp == g, gl.expand_dims(exp2i(-e), 1), inv)
+            scales = scales + (gl.convert_layout(exp2i(e), cols_l), )
+        q = gl.minimum(gl.maximum(v * inv, -448.0), 448.0).to(gl.float8e4nv)
+        q_bufs.index(slot * BOXES + b).store(q)
+    fence_async_shared()       # the generic-proxy stores, before the async proxy (wgmma) reads them
+    gl.thread_barrier()
+    return scales
 
 
 @gluon.jit
@@ -173,12 +200,15 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
 @gluon.jit
 def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, M, N, K,
                                       stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
-                                      NUM_STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                                      NUM_STAGES: gl.constexpr, PDL: gl.constexpr, QUANT_A: gl.constexpr,
+                                      Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
     A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
     issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA.
     PDL (launched with programmatic dependent launch): the weight boxes of the whole ring are requested before
-    `griddepcontrol.wait`, the tokens after it; nothing the previous kernel writes is read or written before."""
+    `griddepcontrol.wait`, the tokens after it; nothing the previous kernel writes is read or written before.
+    QUANT_A: a_desc is the bf16 activation itself; each stage's token boxes are quantized per 1×32 in the kernel
+    (`_quantize_tokens`, into e4m3 buffers of layout Q_LAYOUT) and as_ptr is unused: one launch per linear."""
     BP: gl.constexpr = w_desc.block_type.shape[0]
     BQ: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -192,7 +222,12 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * BOXES, BP, BK], w_desc.layout)
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * BOXES, BQ, BK], a_desc.layout)
+    # t_bufs: what the token TMA fills; a_bufs: the MMA's e4m3 token operand (the same buffers unless QUANT_A)
+    t_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * BOXES, BQ, BK], a_desc.layout)
+    if QUANT_A:
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * BOXES, BQ, BK], Q_LAYOUT)
+    else:
+        a_bufs = t_bufs
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
@@ -209,10 +244,10 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
             _load_boxes(w_desc, w_bufs, bar, s, off_n, (st0 + s) * BOXES * BK, s < n_my, BOXES)
         _grid_dependency_wait()
         for s in gl.static_range(NUM_STAGES):
-            _load_boxes(a_desc, a_bufs, ready.index(s), s, 0, (st0 + s) * BOXES * BK, s < n_my, BOXES)
+            _load_boxes(a_desc, t_bufs, ready.index(s), s, 0, (st0 + s) * BOXES * BK, s < n_my, BOXES)
     else:
         for s in gl.static_range(NUM_STAGES):
-            _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my,
+            _load_stage(w_desc, a_desc, w_bufs, t_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my,
                         BOXES)
 
     rows = off_n + gl.arange(0, BP, layout=rows_l)
@@ -228,6 +263,8 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         st = i % NUM_STAGES
         mbarrier.wait(ready.index(st), (i // NUM_STAGES) & 1)
         kb0 = (st0 + i) * BOXES * _KB
+        if QUANT_A:
+            sa_q = _quantize_tokens(t_bufs, a_bufs, st, BOXES, cols_l, num_warps)
         parts = ()
         for b in gl.static_range(BOXES):
             w_s = w_bufs.index(st * BOXES + b)
@@ -243,14 +280,18 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
             for kk in gl.static_range(_KB):
                 kb = kb0 + b * _KB + kk
                 sw = e8m0_to_f32((words >> (8 * kk)) & 255)
-                sa = gl.load(sa_col + kb, mask=toks_ok & (kb < n_kb), other=0)
-                if AS_E8M0:
-                    sa = e8m0_to_f32(sa)
+                if QUANT_A:
+                    sa = sa_q[b * _KB + kk]
+                else:
+                    sa = gl.load(sa_col + kb, mask=toks_ok & (kb < n_kb), other=0)
+                    if AS_E8M0:
+                        sa = e8m0_to_f32(sa)
                 acc = acc + parts[b * _KB + kk] * (gl.expand_dims(sw, 1) * gl.expand_dims(sa, 0))
         # every MMA of this stage is done: refill its slot with the stage NUM_STAGES ahead
         gl.thread_barrier()
         nxt = i + NUM_STAGES
-        _load_stage(w_desc, a_desc, w_bufs, a_bufs, ready, st, off_n, 0, (st0 + nxt) * BOXES * BK, nxt < n_my, BOXES)
+        _load_stage(w_desc, a_desc, w_bufs, t_bufs, ready, st, off_n, 0, (st0 + nxt) * BOXES * BK, nxt < n_my,
+                    BOXES)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -289,21 +330,48 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     return out
 
 
-def _decode(a_q: torch.Tensor, sa: torch.Tensor, as_e8: bool, w_q: torch.Tensor, ws8: torch.Tensor, cfg: GemmConfig,
-            out: torch.Tensor) -> torch.Tensor:
-    """The decode kernel's launch: sa, ws8 as `_scale_arg` returns them (ws8: e8m0 bytes)."""
-    m, k = a_q.shape
+def fp8_linear_gluon_decode(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] bf16 = the group-32 FP8 linear of bf16 x [M <= 8, K] in one launch: the decode kernel quantizes
+    the activation per 1×32 itself, exactly as `act_quant` then `fp8_gemm` with the same config (QUANT_A).
+    cfg: a Gluon decode config (gluon, swap_ab; its quant_in_kernel flag is not needed); w_s: e8m0 block scales."""
+    assert cfg.gluon and cfg.swap_ab, f"in-kernel quantization is the Gluon decode kernel's, not {cfg.tag()}"
+    assert (x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0), \
+        f"x must be bf16 [M, K] with contiguous, 16-byte aligned rows, got {x.dtype} {tuple(x.shape)} {x.stride()}"
+    m, k = x.shape
+    assert w_q.dtype == torch.float8_e4m3fn and w_q.dim() == 2 and w_q.shape[1] == k, (w_q.dtype, tuple(w_q.shape))
+    assert gluon_fits(k), f"the Gluon FP8 GEMM needs K % {BLOCK_K} == 0, got K={k}"
+    ws8, ws_e8 = _scale_arg(w_s)
+    assert ws_e8 and ws8.data_ptr() % 4 == 0 and ws8.stride(0) % 4 == 0, \
+        "the Gluon FP8 GEMM reads e8m0 weight scales as 32-bit words"
+    if out is None:
+        out = torch.empty((m, w_q.shape[0]), dtype=torch.bfloat16, device=x.device)
+    return _decode(x, None, False, w_q, ws8, cfg, out)
+
+
+def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Tensor, ws8: torch.Tensor,
+            cfg: GemmConfig, out: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's launch: a = the e4m3 activation with its scales sa (as `_scale_arg` returns them), or,
+    with sa None, the bf16 activation the kernel quantizes itself; ws8: e8m0 bytes."""
+    m, k = a.shape
     n = w_q.shape[0]
     assert m <= cfg.block_q, f"the Gluon decode GEMM takes M <= {cfg.block_q} tokens, got {m}"
     w_desc = TensorDescriptor(w_q, [n, k], [k, 1], [cfg.block_p, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([cfg.block_p, BLOCK_K], gl.float8e4nv))
-    a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [cfg.block_q, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv))
+    # the bf16 activation's 256-byte box rows exceed the 128-byte swizzle span TMA allows; only threads read that
+    # buffer, so it is left unswizzled
+    a_layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2) if sa is None else
+                gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv))
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.block_q, BLOCK_K], a_layout)
     tiles = triton.cdiv(n, cfg.block_p)
     split = k_slices(triton.cdiv(k, BLOCK_K * cfg.kgroups), cfg.split_k)
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
-        w_desc, a_desc, out, ws8, sa, part, cnt, m, n, k, ws8.stride(0), sa.stride(0), split,
-        AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
+        w_desc, a_desc, out, ws8, ws8 if sa is None else sa, part, cnt, m, n, k, ws8.stride(0),
+        0 if sa is None else sa.stride(0), split, AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages,
+        PDL=cfg.pdl, QUANT_A=sa is None,
+        Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv),
+        num_warps=4, launch_pdl=cfg.pdl)
     return out

@@ -4,7 +4,8 @@ Pipeline (five launches, no host sync, CUDA-graph capturable):
 1. `_router_logits_kernel`: logits [T, E] = x·Wgᵀ (BF16 operands, fp32 accumulation: the reference's fp32 linear
    on BF16 values has the same products); the programs of the first expert tile also write the deploy activation
    xq = FP8 1×32 fake-quant of x (BF16, exact), which both expert GEMMs and nothing else read.
-2. `_router_topk_kernel`: s = sqrt(softplus(logits / gate_temp)), top-k of s + bias (bias for selection only),
+2. `_router_topk_kernel`: s = sqrt(softplus(logits / gate_temp)), top-k of s + bias (bias for selection only; one
+   row per token when image tokens select with `bias_vl`),
    weights = s at the ids / (Σ + eps) × routed_scaling_factor -> ids int32 [T, k], weights fp32 [T, k].
 3. `_moe_align_kernel` (one program): the (token, slot) pairs sorted by expert, each expert's run padded to a
    multiple of BLOCK_M with a sentinel; expert offsets [E + 1]. The GEMMs launch the worst-case number of M blocks
@@ -119,7 +120,7 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, T, E, K, st
 
 # -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, SPLIT, SPLIT_STRIDE,
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT, SPLIT_STRIDE,
                         gate_temp, route_scale, eps, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
                         NB_E: tl.constexpr,
                         BLOCK_T: tl.constexpr):
@@ -135,8 +136,10 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, SP
     z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
     sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
     s = tl.math.sqrt_rn(sp)
-    bias = tl.load(bias_ptr + cols, mask=mc, other=0.0)
-    sel = tl.where(mc[None, :], s + bias[None, :], float("-inf"))
+    # bias: one row for every token (stride 0), or a row per token (V4.1: `bias_vl` on image tokens)
+    bias = tl.load(bias_ptr + offs_t.to(tl.int64)[:, None] * stride_bias + cols[None, :],
+                   mask=mt[:, None] & mc[None, :], other=0.0)
+    sel = tl.where(mc[None, :], s + bias, float("-inf"))
     ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
     wts = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     for j in tl.static_range(TOPK):     # k passes of (max, lowest index at the max); picked entries drop to -inf
@@ -631,7 +634,8 @@ def as_layout(xq, layout: str):
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
            gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16"
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
-    """x [T, D] BF16, gate_w [E, D] BF16, bias [E] fp32 -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
+    """x [T, D] BF16, gate_w [E, D] BF16, bias fp32 [E] or [T, E] (a row per token: V4.1 selects with `bias_vl` on
+    image tokens) -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
     1×32 fake-quantized activation the expert GEMMs read, BF16 [T, D] (xq_layout "bf16"), or in a decode GEMV's
     layout: fp32 [T, 4, D/4] ("gemv", see `gemv_act`) or (f16 codes, block scales) ("gemv16", see `gemv16_act`);
     or None."""
@@ -640,7 +644,8 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     assert xq_layout in (None, "bf16", "gemv", "gemv16"), xq_layout
     t, d = x.shape
     e = gate_w.shape[0]
-    assert bias.shape == (e,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    assert bias.shape in ((e,), (t, e)) and bias.dtype == torch.float32 and bias.is_contiguous(), \
+        f"router bias must be fp32 [{e}] or [{t}, {e}], contiguous, got {bias.dtype} {tuple(bias.shape)}"
     assert d % QBLOCK == 0 and 1 <= topk <= e
     dev = x.device
     ids = torch.empty((t, topk), dtype=torch.int32, device=dev)
@@ -669,7 +674,8 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     nb = triton.next_power_of_2(e)
     btk = max(1, min(16, 2048 // nb))
     _router_topk_kernel[(triton.cdiv(t, btk),)](
-        logits, bias, ids, w, t, e, e, split, t * e, float(gate_temp), float(route_scale), float(eps),
+        logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, split, t * e, float(gate_temp),
+        float(route_scale), float(eps),
         TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), NB_E=nb, BLOCK_T=btk, num_warps=4)
     return w, ids, xq
 

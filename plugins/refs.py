@@ -233,7 +233,8 @@ def router_ref(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: 
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """V4.1 `ffn.gate` in fp32: s = sqrt(softplus(x·Wᵀ / gate_temp)); ids = top-k of s + bias (bias for selection
     only); weights = s at ids / (Σ + eps) (when norm and topk > 1) × route_scale.
-    x [T, D], gate_w [E, D] (BF16), bias [E] fp32 -> (weights fp32 [T, k], ids int64 [T, k])."""
+    x [T, D], gate_w [E, D] (BF16), bias fp32 [E] or [T, E] (a row per token: `bias_vl` for image tokens)
+    -> (weights fp32 [T, k], ids int64 [T, k])."""
     scores = sqrtsoftplus_ref((x.float() @ gate_w.float().t()) / gate_temp)
     idx = (scores + bias.float()).topk(topk, dim=-1).indices
     w = scores.gather(1, idx)

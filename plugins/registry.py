@@ -7,6 +7,7 @@ Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.regis
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -108,14 +109,32 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = N
     from the table uses the default FP8 config and is logged once."""
     if x.is_cuda:
         from dsflash.plugins import tuning
-        from dsflash.plugins.act_quant import act_quant as quant
-        from dsflash.plugins.fp8_gemm import bf16_cache_gemm, fp8_gemm as gemm
+        from dsflash.plugins.fp8_gemm import bf16_cache_gemm
         n, k = w_q.shape
-        path, cfg = tuning.lookup(n, k, x.shape[0])
+        path, cfg = tuning.lookup(n, k, x.shape[0], device_arch(x.device))
         if path == "bf16cache" and w_bf16 is not None:
             return bf16_cache_gemm(x, w_bf16)
-        return gemm(*quant(x, "e8m0", codes16=cfg.acc16), w_q, w_s, cfg)
+        return fp8_linear_config(x, w_q, w_s, cfg)
     return refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s)
+
+
+@functools.cache
+def device_arch(device: torch.device) -> str:
+    """'sm<major><minor>' of a CUDA device (what `build --arch` names it)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg) -> Tensor:
+    """The FP8 path of `fp8_linear` with one GEMM config (what `build` times): the 1×32 activation quantization
+    then the GEMM, or one launch for a quant_in_kernel config (when x suits its TMA: bf16, 16-byte aligned rows)."""
+    if (cfg.quant_in_kernel and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0):
+        from dsflash.plugins.fp8_gemm_gluon import fp8_linear_gluon_decode
+        return fp8_linear_gluon_decode(x, w_q, w_s, cfg)
+    from dsflash.plugins.act_quant import act_quant
+    from dsflash.plugins.fp8_gemm import fp8_gemm
+    return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), w_q, w_s, cfg)
 
 
 @fp8_linear.register_fake
@@ -245,7 +264,8 @@ def moe(x: Tensor, gate_w: Tensor, gate_bias: Tensor, topk: int, route_scale: fl
         w2_q: Tensor, w2_s: Tensor, swiglu_limit: float, inter: int, shared: Optional[Tensor] = None,
         gate_temp: float = 1.0) -> Tensor:
     """Router + routed MXFP4 experts (w13 stacked [E, 2·I_pad, D/2], w2 [E, D, I_pad/2], e8m0 1×32 scales) + the shared
-    expert's output -> fp32 [T, D] before the TP all-reduce; `inter` = the logical intermediate width."""
+    expert's output -> fp32 [T, D] before the TP all-reduce; `inter` = the logical intermediate width; gate_bias
+    fp32 [E], or [T, E] when tokens select with different biases (V4.1's `bias_vl` on image tokens)."""
     if x.is_cuda:
         from dsflash.plugins.moe import moe as k
         return k(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared,

@@ -39,7 +39,10 @@ class GemmConfig:
     maxnreg (0 = compiler's choice) caps registers per thread so more CTAs share an SM. With swap_ab, the decode
     kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per stage, split_k, num_stages;
     pdl launches it with programmatic dependent launch: its weight ring is requested before it waits for the
-    previous kernel, so the weight stream starts during that kernel's tail.
+    previous kernel, so the weight stream starts during that kernel's tail. quant_in_kernel (gluon decode only):
+    the kernel takes the bf16 activation and quantizes it per 1×32 itself (`fp8_linear_gluon_decode`, bit-identical
+    to `act_quant` + the kernel): one launch per linear instead of two; every program re-quantizes the tokens of its
+    K slice, so it pays where the weight is split over few tiles (the TP8 shapes) and loses on wide ones.
     """
     block_p: int = 128
     block_q: int = 128
@@ -57,6 +60,7 @@ class GemmConfig:
     gluon: bool = False
     maxnreg: int = 0
     pdl: bool = False
+    quant_in_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.gluon:
@@ -67,12 +71,13 @@ class GemmConfig:
                 assert (self.block_p, self.block_q, self.num_warps) == (64, 8, 4), "gluon decode tile is 64x8, 4 warps"
                 assert self.kgroups in (1, 2, 4) and self.split_k >= 1 and self.maxnreg == 0, self
                 return
-            assert not self.pdl, "pdl: the gluon decode kernel only"
+            assert not (self.pdl or self.quant_in_kernel), "pdl, quant_in_kernel: the gluon decode kernel only"
             assert self.block_p in (64, 128) and self.block_q in (64, 128), f"gluon tile {self.block_p}x{self.block_q}"
             assert self.num_warps == self.block_p // 16, "gluon: one warp per 16 tile rows (64 -> 4, 128 -> 8)"
             assert self.split_k == 1 and self.kgroups == 1, self
             return
-        assert self.maxnreg == 0 and not self.pdl, "maxnreg and pdl are gluon fields"
+        assert self.maxnreg == 0 and not (self.pdl or self.quant_in_kernel), \
+            "maxnreg, pdl and quant_in_kernel are gluon fields"
         if self.gemv:
             bp, bq, bk = self.block_p, self.block_q, self.block_k
             assert 1 <= bp <= 32 and bp & (bp - 1) == 0, f"gemv block_p={bp} must be a power of two <= 32"
@@ -104,7 +109,7 @@ class GemmConfig:
     def tag(self) -> str:
         if self.gluon and self.swap_ab:
             return (f"LT{self.block_p}x{self.block_q}b{self.kgroups}s{self.split_k}st{self.num_stages}"
-                    f"{'_pdl' if self.pdl else ''}")
+                    f"{'_pdl' if self.pdl else ''}{'_qa' if self.quant_in_kernel else ''}")
         if self.gluon:
             return (f"L{self.block_p}x{self.block_q}w{self.num_warps}st{self.num_stages}"
                     f"{f'r{self.maxnreg}' if self.maxnreg else ''}")
@@ -139,9 +144,12 @@ def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: i
     return max(1, min(_cdiv(target, tiles), max(1, k_iters // 2), max_split))
 
 
-def default_config(n: int, k: int, m: int) -> GemmConfig:
+def default_config(n: int, k: int, m: int, arch: str | None = None) -> GemmConfig:
     """A valid config for any shape (K % 32 == 0): swap-AB GEMV-like tiles for M <= 64, 128×64 otherwise (the
-    FP8-MMA winner of the first H200 sweep; bigger tiles need more registers than the per-32 promotion leaves)."""
+    FP8-MMA winner of the first H200 sweep; bigger tiles need more registers than the per-32 promotion leaves).
+    On arch "sm90", M <= 8 and K % 128 == 0 take the Gluon decode kernel (`gluon_decode_default`)."""
+    if arch == "sm90" and m <= GEMV_MAX_M and gluon_fits(k):
+        return gluon_decode_default(n, k)
     kb = _cdiv(k, 32)
     if m <= 64:
         bq = max(16, _next_pow2(m))
@@ -204,32 +212,48 @@ SMEM_PER_CTA = 227 * 1024     # the most one CTA may take
 _SMEM_RESERVED = 1024         # per resident CTA
 
 
-def gluon_decode_smem(boxes: int, stages: int) -> int:
-    """Shared memory of one decode program: the ring of (64 weight + 8 token rows) × 128 K boxes, and barriers."""
-    return stages * boxes * (64 + 8) * GLUON_BLOCK_K + 8 * stages
+def gluon_decode_smem(boxes: int, stages: int, quant_in_kernel: bool = False) -> int:
+    """Shared memory of one decode program: the ring of (64 weight + 8 token rows) × 128 K boxes (with
+    quant_in_kernel, the 8 bf16 token rows the kernel quantizes as well), and barriers."""
+    token_bytes = 8 * (1 + 2 * quant_in_kernel)
+    return stages * boxes * (64 + token_bytes) * GLUON_BLOCK_K + 8 * stages
 
 
 def gluon_decode_candidates(n: int, k: int) -> list[GemmConfig]:
     """Configs of the Gluon decode kernel (`fp8_gemm_gluon`, swap-AB, M <= 8) for an (N, K) weight: each ring of
     `_GLUON_DECODE_SPACE` with the split counts that put about 2.5, 3 and 4 programs on every SM (no split where
-    the weight's 64-row tiles alone are that many), all of them resident at once; each with and without PDL."""
+    the weight's 64-row tiles alone are that many), all of them resident at once; each with and without PDL, and
+    each quantizing the activation in the kernel or not."""
     out = []
     tiles = _cdiv(n, 64)
     for boxes, stages in _GLUON_DECODE_SPACE:
         # resident programs per SM: shared memory, and registers (offline sm_90a builds: 48-56 per thread with one
         # box per stage, 80 with two, 128 with four)
         regs = 32 + 24 * boxes
-        per_sm = min(SMEM_PER_SM // (gluon_decode_smem(boxes, stages) + _SMEM_RESERVED), 65536 // (128 * regs))
         n_st = _cdiv(k, GLUON_BLOCK_K * boxes)
-        splits = set()
-        for aim in _GLUON_DECODE_PER_SM:
-            want = max(1, min(round(aim * NUM_SMS / tiles), n_st))
-            split = _cdiv(n_st, _cdiv(n_st, want))     # what splitk.k_slices launches: no empty slice
-            if tiles * split <= per_sm * NUM_SMS:
-                splits.add(split)
-        out += [GemmConfig(64, 8, s, 4, stages, swap_ab=True, kgroups=boxes, gluon=True, pdl=pdl)
-                for s in sorted(splits) for pdl in (False, True)]
+        for qa in (False, True):
+            smem = gluon_decode_smem(boxes, stages, qa) + _SMEM_RESERVED
+            per_sm = min(SMEM_PER_SM // smem, 65536 // (128 * regs))
+            splits = set()
+            for aim in _GLUON_DECODE_PER_SM:
+                want = max(1, min(round(aim * NUM_SMS / tiles), n_st))
+                split = _cdiv(n_st, _cdiv(n_st, want))     # what splitk.k_slices launches: no empty slice
+                if tiles * split <= per_sm * NUM_SMS:
+                    splits.add(split)
+            out += [GemmConfig(64, 8, s, 4, stages, swap_ab=True, kgroups=boxes, gluon=True, pdl=pdl,
+                               quant_in_kernel=qa) for s in sorted(splits) for pdl in (False, True)]
     return out
+
+
+def gluon_decode_default(n: int, k: int) -> GemmConfig:
+    """The Gluon decode config for a shape `build` did not tune: PDL, the fewest K slices offered, four 128-K boxes
+    per stage × 2 stages when the weight has fewer 64-row tiles than there are SMs (K is split: deeper stages per
+    program), else 1 box × 3 stages. On the H200's nine V4.1 decode shapes this is 0-11 % slower than the tuned
+    winner and 1.4-2.3× faster than the Triton default (gemm_decode_s6_h200.json, M = 1, 4, 8)."""
+    ring = (4, 2) if _cdiv(n, 64) < NUM_SMS else (1, 3)
+    fits = [c for c in gluon_decode_candidates(n, k)
+            if c.pdl and not c.quant_in_kernel and (c.kgroups, c.num_stages) == ring]
+    return min(fits, key=lambda c: c.split_k)
 
 
 def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
@@ -324,10 +348,12 @@ def set_table(entries: dict | None) -> None:
     _gemm_table.install(t)
 
 
-def lookup(n: int, k: int, m: int) -> tuple[str, GemmConfig]:
-    """(path, config) for a GEMM of M tokens; falls back to ("fp8", default_config) and logs that once per key."""
-    return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m)), lambda v: v[1].tag())
+def lookup(n: int, k: int, m: int, arch: str | None = None) -> tuple[str, GemmConfig]:
+    """(path, config) for a GEMM of M tokens on `arch` (the running GPU's); falls back to ("fp8", default_config)
+    and logs that once per key."""
+    return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m, arch)),
+                           lambda v: v[1].tag())
 
 
-def get_config(n: int, k: int, m: int) -> GemmConfig:
-    return lookup(n, k, m)[1]
+def get_config(n: int, k: int, m: int, arch: str | None = None) -> GemmConfig:
+    return lookup(n, k, m, arch)[1]

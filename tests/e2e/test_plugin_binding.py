@@ -138,3 +138,33 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
 def test_v4_gpu_engines_record_references():
     """The kernels implement V4.1's formats (group-32 FP8, its router and block): V4 engines say reference."""
     assert set(default_plugins("sm90", family="v4").values()) == {"reference"}
+
+
+def test_moe_plugin_routes_image_tokens_with_bias_vl(sm90_engine):
+    """Image tokens select experts with `gate.bias_vl`: the MoE plugin takes a bias row per token, so on a mixed
+    text/image batch each image row matches the reference MoE's image routing (up to the plugin's deploy-numerics
+    difference, ~1e-2 here as for text) and is far from its text routing; text rows are unaffected."""
+    model, _ = load_engine_model(sm90_engine, check_arch=False)
+    ffn = model.layers[1].ffn
+    x = (torch.randn(1, 10, model.args.hidden_size, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 3:7] = True
+    with torch.no_grad():   # image tokens: forced onto experts their text routing never picks
+        text_ids = ffn.gate(x[0, 3:7])[1].unique()
+        ffn.gate.bias_vl.fill_(-50.0).index_fill_(0, text_ids, -100.0)
+        ffn.gate.bias_vl[[e for e in range(ffn.gate.bias_vl.numel()) if e not in text_ids.tolist()][:3]] = 50.0
+    plugin = ffn.plugin
+    got, got_text = ffn(x, mask)[0].float(), ffn(x)[0].float()
+    try:
+        ffn.plugin = None
+        want, want_text = ffn(x, mask)[0].float(), ffn(x)[0].float()
+    finally:
+        ffn.plugin = plugin
+
+    def rel(a, b):
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1))
+    img = mask[0]
+    assert (rel(got, want)[img] <= 2e-2).all(), rel(got, want)
+    assert (rel(got, want_text)[img] >= 0.2).all(), rel(got, want_text)      # the routing did change
+    assert torch.allclose(got[~img], got_text[~img], rtol=1e-3, atol=1e-3)
+    assert (rel(want_text, want)[~img] == 0).all()

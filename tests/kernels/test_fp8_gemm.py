@@ -62,6 +62,40 @@ def test_fp8_gemm_gluon_tails(m, n):
         assert refs.rel_err(out, ref) < 1e-2, cfg.tag()
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(1056, 2304), (4096, 1280), (576, 5120)])
+def test_gluon_decode_quantizes_in_kernel_as_act_quant(m, n, k):
+    """fp8_linear_gluon_decode(x) (the activation quantized per 1×32 inside the decode kernel) equals act_quant then
+    the same kernel, for every decode candidate and on a strided x; fp8_linear takes that path for a tuned
+    quant_in_kernel config (and the two-launch path for a misaligned x)."""
+    from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash)
+    from dsflash.plugins.act_quant import act_quant
+    from dsflash.plugins.fp8_gemm import fp8_gemm
+    from dsflash.plugins.fp8_gemm_gluon import fp8_linear_gluon_decode
+    x, _, _, w_q, w_s = _operands(m, n, k)
+    big = torch.empty(m, k + 64, dtype=torch.bfloat16, device=DEV)
+    big[:, :k] = x
+    ref = refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s, torch.float32)
+    cands = [c for c in tuning.gluon_decode_candidates(n, k) if c.quant_in_kernel]
+    for cfg in cands:
+        two = fp8_gemm(*act_quant(x, "e8m0"), w_q, w_s, cfg)
+        for xin in (x, big[:, :k]):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+            fp8_linear_gluon_decode(xin, w_q, w_s, cfg, out=out)
+            assert refs.rel_err(out, ref) < 1e-2, cfg.tag()
+            assert refs.rel_err(out, two) <= 1e-6, cfg.tag()     # same codes and scales: one rounding at most
+    key = tuning.key_str(n, k, tuning.m_bucket(m))
+    tuning.set_table({key: {"path": "fp8", "config": cands[0].to_dict()}})
+    try:
+        via_op = torch.ops.dsflash.fp8_linear(x, w_q, w_s)
+        assert refs.rel_err(via_op, fp8_linear_gluon_decode(x, w_q, w_s, cands[0])) <= 1e-6
+        odd = torch.empty(m * k + 1, dtype=torch.bfloat16, device=DEV)[1:].view(m, k)   # 2-byte aligned: no TMA
+        odd.copy_(x)
+        assert refs.rel_err(torch.ops.dsflash.fp8_linear(odd, w_q, w_s), via_op) <= 1e-6
+    finally:
+        tuning.set_table(None)
+
+
 @pytest.mark.parametrize("m", [1, 3, 257])
 def test_bf16_cache_gemm(m):
     from dsflash.plugins.act_quant import act_quant

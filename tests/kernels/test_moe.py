@@ -71,8 +71,13 @@ def test_router(m, gate):
     # the f16-code layout: e4m3 codes (×2^-4) and pow2 block scales that multiply back to the same activation
     assert torch.equal(natural_act((codes, sc)), xq_ref) and float(codes.abs().max()) <= 448 / 16
     assert torch.equal(torch.exp2(torch.log2(sc).round()), sc)
-    w_ref, ids_ref = refs.router_ref(x, gw, bias, TOPK, SCALE)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    _check_routing(x, gw, bias, w, ids)
+
+
+def _check_routing(x, gw, bias, w, ids):
+    """The kernel's selection and weights against router_ref (bias [E] or [T, E])."""
+    w_ref, ids_ref = refs.router_ref(x, gw, bias, TOPK, SCALE)
     same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
     if not bool(same.all()):   # only near-ties of the biased score may select differently
         s = refs.sqrtsoftplus_ref(x.float() @ gw.float().t()) + bias
@@ -82,7 +87,23 @@ def test_router(m, gate):
     wk = w.gather(1, ids.long().argsort(1))[same]
     wr = w_ref.gather(1, ids_ref.argsort(1))[same]
     assert refs.rel_err(wk, wr) < 1e-5
-    assert torch.allclose(w.sum(1), torch.full((m,), SCALE, device=DEV), rtol=1e-5)
+    assert torch.allclose(w.sum(1), torch.full((x.shape[0],), SCALE, device=DEV), rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_router_takes_a_bias_row_per_token(m, gate):
+    """bias [T, E] (V4.1's `bias_vl` rows for image tokens): each token selects with its own row, as router_ref."""
+    from dsflash.plugins.moe import router
+    gw, bias = gate
+    x = _x(m, 30 + m)
+    rows = bias.repeat(m, 1)
+    rows[1::2] += torch.randn(E, device=DEV) * 3        # every other token: another bias, far from near-ties
+    w, ids, _ = router(x, gw, rows.contiguous(), TOPK, SCALE)
+    _check_routing(x, gw, rows, w, ids)
+    if m > 1:   # the per-token rows changed some selection against the shared bias
+        assert not torch.equal(ids, router(x, gw, bias, TOPK, SCALE)[1])
+    with pytest.raises(AssertionError, match="router bias must be fp32"):
+        router(x, gw, rows[:, :-1].contiguous(), TOPK, SCALE)
 
 
 def test_align_layout():

@@ -188,6 +188,28 @@ def test_gemm_table_expands_tuned_buckets_to_pow2():
         tuning.set_table(None)
 
 
+def test_missing_decode_entry_falls_back_to_the_gluon_kernel_on_sm90(caplog):
+    """A shape build did not tune falls back (logged once) to the arch's default: on sm90, M <= 8 and K % 128 == 0,
+    the Gluon decode kernel with PDL, the fewest K slices and the ring its tile count calls for; elsewhere (another
+    arch, K % 128 != 0, larger M) the Triton default."""
+    tp8_w13 = tuning.default_config(576, 5120, 4, "sm90")       # 9 row tiles: K is split, deep stages
+    assert tp8_w13 == tuning.gluon_decode_default(576, 5120) and tp8_w13.tag() == "LT64x8b4s10st2_pdl"
+    assert tuning.default_config(32768, 1280, 1, "sm90").tag() == "LT64x8b1s1st3_pdl"   # 512 tiles: no split
+    for n, k in ((5120, 8192), (4096, 1280), (1056, 2304)):
+        d = tuning.default_config(n, k, 8, "sm90")
+        assert d in tuning.candidates(n, k, 8) and d.pdl and not d.quant_in_kernel
+    for args in ((576, 5120, 4, "sm100"), (576, 5120, 4, None), (576, 5120, 16, "sm90"), (5120, 288, 8, "sm90")):
+        assert not tuning.default_config(*args).gluon, args
+    with caplog.at_level(logging.INFO, logger="dsflash.plugins.tuning"):
+        tuning.set_table({})
+        try:
+            assert tuning.lookup(576, 5120, 3, "sm90") == ("fp8", tuning.gluon_decode_default(576, 5120))
+            assert tuning.lookup(576, 5120, 4, "sm90")[1].gluon
+        finally:
+            tuning.set_table(None)
+    assert sum("576" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.gpu
 def test_fp8_gemm_tunes_on_the_gpu():
     """On an sm90 GPU: every bucket gets an entry whose winner ran and verified, and the serve table covers it."""
@@ -271,11 +293,12 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
                 dict(maxnreg=300), dict(block_q=256)):
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
-    for bad in (dict(maxnreg=128), dict(pdl=True)):
-        with pytest.raises(AssertionError, match="maxnreg and pdl are gluon fields"):
+    for bad in (dict(maxnreg=128), dict(pdl=True), dict(quant_in_kernel=True)):
+        with pytest.raises(AssertionError, match="maxnreg, pdl and quant_in_kernel are gluon fields"):
             tuning.GemmConfig(128, 64, **bad)
-    with pytest.raises(AssertionError, match="pdl: the gluon decode kernel only"):
-        dataclasses.replace(cfg, pdl=True)
+    for bad in (dict(pdl=True), dict(quant_in_kernel=True)):
+        with pytest.raises(AssertionError, match="pdl, quant_in_kernel: the gluon decode kernel only"):
+            dataclasses.replace(cfg, **bad)
     # large M with K % 128 == 0 only; the decode kernel (swap-AB, 64x8) only at M <= 8
     assert set(tuning.GLUON_SPACE) <= set(tuning.candidates(5120, 8192, 4096))
     assert not any(c.gluon for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5120, 288, 4096)
@@ -284,8 +307,12 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
     assert dec == tuning.gluon_decode_candidates(5120, 8192) and all(c.swap_ab and c.block_q == 8 for c in dec)
     assert dec[0].tag() == "LT64x8b1s4st3" and tuning.GemmConfig.from_dict(dec[0].to_dict()) == dec[0]
     assert dec[1] == dataclasses.replace(dec[0], pdl=True) and dec[1].tag() == "LT64x8b1s4st3_pdl"
-    old_entry = {k: v for k, v in dec[1].to_dict().items() if k != "pdl"}   # a tuned.json written before `pdl`
+    old_entry = {k: v for k, v in dec[1].to_dict().items() if k not in ("pdl", "quant_in_kernel")}   # older tuned.json
     assert tuning.GemmConfig.from_dict(old_entry) == dec[0]
+    qa = [c for c in dec if c.quant_in_kernel]
+    # each in-kernel-quantizing config has its two-launch twin (its larger ring may keep fewer split counts)
+    assert qa and {dataclasses.replace(c, quant_in_kernel=False) for c in qa} <= set(dec)
+    assert qa[0].tag() == "LT64x8b1s4st3_qa" and tuning.GemmConfig.from_dict(qa[0].to_dict()) == qa[0]
     for bad in (dict(block_p=128), dict(block_q=16), dict(kgroups=3), dict(maxnreg=168), dict(num_stages=1)):
         with pytest.raises(AssertionError):
             dataclasses.replace(dec[0], **bad)
@@ -301,9 +328,9 @@ def test_gluon_decode_candidates_are_one_resident_wave(n, k):
     for c in cands:
         n_st = -(-k // (tuning.GLUON_BLOCK_K * c.kgroups))
         assert -(-n_st // -(-n_st // c.split_k)) == c.split_k                      # splitk.k_slices keeps it
-        per_sm = tuning.SMEM_PER_SM // (tuning.gluon_decode_smem(c.kgroups, c.num_stages) + 1024)
+        per_sm = tuning.SMEM_PER_SM // (tuning.gluon_decode_smem(c.kgroups, c.num_stages, c.quant_in_kernel) + 1024)
         assert tiles * c.split_k <= per_sm * tuning.NUM_SMS, c.tag()
-    ring = [c for c in cands if (c.kgroups, c.num_stages) == (1, 3) and not c.pdl]
+    ring = [c for c in cands if (c.kgroups, c.num_stages) == (1, 3) and not (c.pdl or c.quant_in_kernel)]
     per_sm = [tiles * c.split_k / tuning.NUM_SMS for c in ring]
     if tiles >= 2 * tuning.NUM_SMS:                                                # enough row tiles: no split
         assert [c.split_k for c in ring] == [1]

@@ -1,13 +1,17 @@
-"""Programmatic dependent launch in the decode linear chain (H200): producer → FP8 activation quantization → Gluon
-decode GEMM, as `dsflash::fp8_linear` runs it, timed per chain with and without PDL on the GEMM.
+"""The decode linear chain on the H200, as `dsflash::fp8_linear` runs it: a producer writes the activation, then
+the FP8 1×32 quantization and the Gluon decode GEMM (two launches), or the GEMM quantizing in-kernel (one launch).
 
-Each chain starts with a plain (non-PDL) producer writing the activation, as attention or mHC does in the engine,
-so the GEMM can overlap only what follows it. Cases: off (GEMM without PDL) and gemm (GEMM with PDL: its weight ring
-is requested before it waits for the quantization). Each case takes the fastest Gluon decode candidate of the rings
-in RINGS. Prints a table, writes JSON. (`decode_chain_pdl_s6_h200.json` also holds a third case, "both", from a
-variant that launched the quantization with PDL too; it gained nothing and was not kept.)
+Each chain starts with a plain (non-PDL) producer, as attention or mHC does in the engine. Cases:
+  off   - quantization, then the GEMM without PDL;
+  gemm  - quantization, then the GEMM with PDL (its weight ring is requested before it waits for the quantization);
+  fused - the GEMM quantizes the activation itself (`quant_in_kernel` configs, with or without PDL, whichever is
+          faster): one launch.
+Each case takes the fastest Gluon decode candidate of the rings in RINGS, run as `dsflash::fp8_linear` runs it
+(`registry.fp8_linear_config`). Prints a table, writes JSON.
+(`decode_chain_pdl_s6_h200.json` holds an earlier run with a third case, "both", from a variant that launched the
+quantization with PDL too; it gained nothing and was not kept.)
 
-    python3 benchmarks/decode_chain_pdl.py --out decode_chain_pdl.json [--ms 1,4,8]
+    python3 benchmarks/decode_chain.py --out decode_chain.json [--ms 1,4,8]
 """
 from __future__ import annotations
 
@@ -17,8 +21,7 @@ import json
 import torch
 
 from dsflash.plugins import refs, tuning
-from dsflash.plugins.act_quant import act_quant
-from dsflash.plugins.fp8_gemm import fp8_gemm
+from dsflash.plugins.registry import fp8_linear_config
 from dsflash.plugins.timing import graph_time_us, input_sets
 
 DEV = "cuda"
@@ -41,15 +44,16 @@ def main() -> None:
             xs = [torch.empty_like(s) for s in src]
             ref = refs.fp8_gemm_ref(*refs.act_quant_ref(src[0]), *ws[0], torch.float32)
             row = {"shape": f"{name} {n}x{k}", "M": m}
-            for case in ("off", "gemm"):
+            for case in ("off", "gemm", "fused"):
                 best = None
                 for cfg in tuning.gluon_decode_candidates(n, k):
-                    if cfg.pdl != (case != "off") or (cfg.kgroups, cfg.num_stages) not in RINGS:
+                    if (cfg.quant_in_kernel != (case == "fused") or (case != "fused" and cfg.pdl != (case == "gemm"))
+                            or (cfg.kgroups, cfg.num_stages) not in RINGS):
                         continue
 
                     def chain(i, c=cfg):
                         xs[i].copy_(src[i])                                    # the producer: no PDL
-                        return fp8_gemm(*act_quant(xs[i], "e8m0"), *ws[i], c)
+                        return fp8_linear_config(xs[i], *ws[i], c)
                     err = refs.rel_err(chain(0), ref)
                     us, _ = graph_time_us([lambda i=i, f=chain: f(i) for i in range(n_sets)])
                     if best is None or us < best[0]:
@@ -57,13 +61,14 @@ def main() -> None:
                 row[case] = {"us": best[0], "config": best[1], "err": best[2]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"{'shape':<26} {'M':>2} {'off µs':>7} {'gemm µs':>8} {'gemm vs off':>11}")
+    print(f"{'shape':<26} {'M':>2} {'off µs':>7} {'gemm µs':>8} {'fused µs':>9} {'fused vs off':>12}")
     for r in rows:
         print(f"{r['shape']:<26} {r['M']:>2} {r['off']['us']:>7.2f} {r['gemm']['us']:>8.2f} "
-              f"{r['off']['us'] / r['gemm']['us']:>10.2f}×")
+              f"{r['fused']['us']:>9.2f} {r['off']['us'] / r['fused']['us']:>11.2f}×")
     with open(args.out, "w") as f:
         json.dump({"machine": torch.cuda.get_device_name(), "rows": rows,
-                   "cases": {"off": "no PDL", "gemm": "GEMM with PDL"}},
+                   "cases": {"off": "quantization + GEMM, no PDL", "gemm": "quantization + GEMM with PDL",
+                             "fused": "GEMM quantizing in-kernel"}},
                   f, indent=1)
 
 
