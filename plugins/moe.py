@@ -33,6 +33,8 @@ block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -120,10 +122,10 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, T, E, K, st
 
 # -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT, SPLIT_STRIDE,
-                        gate_temp, route_scale, eps, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                        NB_E: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT_STRIDE,
+                        gate_temp, route_scale, eps, SPLIT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                        NORM: tl.constexpr, NB_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, NB_E)
     kcol = tl.arange(0, KP)
@@ -131,7 +133,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
     mc = cols < E
     lp = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :]
     z = tl.load(lp, mask=mt[:, None] & mc[None, :], other=0.0)
-    for sk in range(1, SPLIT):      # K-slice partials, summed in slice order
+    for sk in tl.static_range(1, SPLIT):      # K-slice partials, all loads in flight at once, summed in slice order
         z += tl.load(lp + sk * SPLIT_STRIDE, mask=mt[:, None] & mc[None, :], other=0.0)
     z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
     sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
@@ -140,16 +142,18 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
     bias = tl.load(bias_ptr + offs_t.to(tl.int64)[:, None] * stride_bias + cols[None, :],
                    mask=mt[:, None] & mc[None, :], other=0.0)
     sel = tl.where(mc[None, :], s + bias, float("-inf"))
+    # (score, lowest index) as one int64 key, so each of the k passes is a single max reduction: the float's bits
+    # made order-preserving as a signed int in the high word, NB_E - 1 - index in the low word
+    bits = sel.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (NB_E - 1 - cols)[None, :].to(tl.int64)
     ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-    wts = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    for j in tl.static_range(TOPK):     # k passes of (max, lowest index at the max); picked entries drop to -inf
-        m = tl.max(sel, axis=1)
-        idx = tl.min(tl.where(sel == m[:, None], cols[None, :], NB_E), axis=1)
-        hit = cols[None, :] == idx[:, None]
-        wj = tl.sum(tl.where(hit, s, 0.0), axis=1)
-        sel = tl.where(hit, float("-inf"), sel)
+    for j in tl.static_range(TOPK):     # k passes of (max, lowest index at the max); picked entries drop out
+        idx = NB_E - 1 - tl.max(key, axis=1).to(tl.int32)     # the low word (truncation)
+        key = tl.where(cols[None, :] == idx[:, None], -9223372036854775807, key)
         ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
-        wts = tl.where(kcol[None, :] == j, wj[:, None], wts)
+    # weights = the scores at the picked ids, gathered for all k at once: s [BT, 1, NB_E] at ids [BT, KP, 1]
+    hit3 = tl.expand_dims(cols, 0)[:, None, :] == ids[:, :, None]
+    wts = tl.where(kcol[None, :] < TOPK, tl.sum(tl.where(hit3, s[:, None, :], 0.0), axis=2), 0.0)
     if NORM:
         den = tl.sum(wts, axis=1) + eps
         wts = tl.math.div_rn(wts, tl.broadcast_to(den[:, None], (BLOCK_T, KP)))
@@ -631,6 +635,36 @@ def as_layout(xq, layout: str):
     return gemv16_act(nat) if layout == "gemv16" else nat
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterTiles:
+    """Launch shape of the two router kernels: logits tiles (block_t tokens × block_e experts × block_k, `split` K
+    slices, `warps`) and the top-k kernel's tokens per program and warps."""
+    block_t: int
+    block_e: int
+    block_k: int
+    split: int
+    warps: int
+    topk_t: int
+    topk_warps: int
+
+
+def router_tiles(t: int, e: int, d: int) -> RouterTiles:
+    """The router's launch shape for T tokens, E experts, hidden D (H200 sweep, benchmarks/router_sweep_h200.json):
+    64-expert × 128-K logits tiles on 8 warps, K split for ~2 programs per SM (at most 20 slices), and one token per
+    top-k program (its k selection passes are latency-bound: more tokens per program only serialise them). Above
+    64 tokens (not swept): 32-expert × 64-K tiles on 4 warps, 4 tokens per top-k program."""
+    if t > 64:
+        tiles = triton.cdiv(e, 32) * triton.cdiv(t, 64)
+        bk = _div(d, 64, 32)
+        split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))
+        return RouterTiles(64, 32, bk, split, 4, max(1, min(16, 2048 // triton.next_power_of_2(e))), 4)
+    bt = 16 if t <= 16 else 64
+    bk = _div(d, 128, 32)
+    tiles = triton.cdiv(e, 64) * triton.cdiv(t, bt)
+    split = max(1, min(-(-2 * 132 // tiles), d // bk, 20))
+    return RouterTiles(bt, 64, bk, split, 8, 1, 4)
+
+
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
            gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16"
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
@@ -660,23 +694,18 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
               torch.empty((t, d // QBLOCK), dtype=torch.float32, device=dev))
     if t == 0:
         return w, ids, xq
-    bt = 16 if t <= 16 else 64
-    be = 16 if t <= 16 else 32
-    bk = _div(d, 128 if t <= 16 else 64, 32)
-    tiles = triton.cdiv(e, be) * triton.cdiv(t, bt)
-    split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))    # ~2 programs per SM (first run: 6-24 ran)
-    logits = torch.empty((split, t, e), dtype=torch.float32, device=dev)
+    rt = router_tiles(t, e, d)
+    logits = torch.empty((rt.split, t, e), dtype=torch.float32, device=dev)
     xq_out, xs_out = xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)   # (unused ones: any)
-    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt), split)](
+    _router_logits_kernel[(triton.cdiv(e, rt.block_e), triton.cdiv(t, rt.block_t), rt.split)](
         x, gate_w, logits, xq_out, xs_out, t, e, d,
-        x.stride(0), gate_w.stride(0), e, d, split, t * e, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=3,
-        WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0), num_warps=4)
-    nb = triton.next_power_of_2(e)
-    btk = max(1, min(16, 2048 // nb))
-    _router_topk_kernel[(triton.cdiv(t, btk),)](
-        logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, split, t * e, float(gate_temp),
-        float(route_scale), float(eps),
-        TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), NB_E=nb, BLOCK_T=btk, num_warps=4)
+        x.stride(0), gate_w.stride(0), e, d, rt.split, t * e, BLOCK_E=rt.block_e, BLOCK_T=rt.block_t,
+        BLOCK_K=rt.block_k, NUM_STAGES=3, WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0),
+        num_warps=rt.warps)
+    _router_topk_kernel[(triton.cdiv(t, rt.topk_t),)](
+        logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, t * e, float(gate_temp), float(route_scale),
+        float(eps), SPLIT=rt.split, TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1),
+        NB_E=triton.next_power_of_2(e), BLOCK_T=rt.topk_t, num_warps=rt.topk_warps)
     return w, ids, xq
 
 

@@ -106,6 +106,25 @@ def test_router_takes_a_bias_row_per_token(m, gate):
         router(x, gw, rows[:, :-1].contiguous(), TOPK, SCALE)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_router_launch_shapes_agree(m, gate, monkeypatch):
+    """Router launch shapes (1-4 tokens per top-k program, 2-4 warps) select the same experts at the same K split,
+    with weights equal up to the order of the k-sum in the normalisation."""
+    from dsflash.plugins import moe
+    gw, bias = gate
+    x = _x(m, 50 + m)
+    base = moe.router_tiles(m, E, D)
+    want = None
+    for tt, tw in ((1, 4), (2, 2), (4, 4)):
+        rt = dataclasses.replace(base, topk_t=tt, topk_warps=tw)
+        monkeypatch.setattr(moe, "router_tiles", lambda t, e, d, rt=rt: rt)
+        w, ids, _ = moe.router(x, gw, bias, TOPK, SCALE)
+        if want is None:
+            want = (w, ids)
+            _check_routing(x, gw, bias, w, ids)
+        assert torch.equal(ids, want[1]) and refs.rel_err(w, want[0]) <= 1e-6, rt
+
+
 def test_align_layout():
     from dsflash.plugins.moe import max_blocks, moe_align
     for m, bm in ((1, 16), (257, 16), (4096, 64)):
