@@ -330,14 +330,20 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     return out
 
 
+def bf16_tma_ready(x: torch.Tensor) -> bool:
+    """Whether the decode kernel can read x itself by TMA (quant_in_kernel): bf16 [M, K], contiguous 16-byte aligned
+    rows."""
+    return (x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def fp8_linear_gluon_decode(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] bf16 = the group-32 FP8 linear of bf16 x [M <= 8, K] in one launch: the decode kernel quantizes
     the activation per 1×32 itself, exactly as `act_quant` then `fp8_gemm` with the same config (QUANT_A).
     cfg: a Gluon decode config (gluon, swap_ab; its quant_in_kernel flag is not needed); w_s: e8m0 block scales."""
     assert cfg.gluon and cfg.swap_ab, f"in-kernel quantization is the Gluon decode kernel's, not {cfg.tag()}"
-    assert (x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 8 == 0
-            and x.data_ptr() % 16 == 0), \
+    assert bf16_tma_ready(x), \
         f"x must be bf16 [M, K] with contiguous, 16-byte aligned rows, got {x.dtype} {tuple(x.shape)} {x.stride()}"
     m, k = x.shape
     assert w_q.dtype == torch.float8_e4m3fn and w_q.dim() == 2 and w_q.shape[1] == k, (w_q.dtype, tuple(w_q.shape))

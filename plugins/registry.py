@@ -128,10 +128,10 @@ def device_arch(device: torch.device) -> str:
 def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg) -> Tensor:
     """The FP8 path of `fp8_linear` with one GEMM config (what `build` times): the 1×32 activation quantization
     then the GEMM, or one launch for a quant_in_kernel config (when x suits its TMA: bf16, 16-byte aligned rows)."""
-    if (cfg.quant_in_kernel and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
-            and x.data_ptr() % 16 == 0):
-        from dsflash.plugins.fp8_gemm_gluon import fp8_linear_gluon_decode
-        return fp8_linear_gluon_decode(x, w_q, w_s, cfg)
+    if cfg.quant_in_kernel:
+        from dsflash.plugins.fp8_gemm_gluon import bf16_tma_ready, fp8_linear_gluon_decode
+        if bf16_tma_ready(x):
+            return fp8_linear_gluon_decode(x, w_q, w_s, cfg)
     from dsflash.plugins.act_quant import act_quant
     from dsflash.plugins.fp8_gemm import fp8_gemm
     return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), w_q, w_s, cfg)
