@@ -14,7 +14,7 @@ import torch
 
 from dsflash.model_def import dispatch
 from dsflash.model_def.csa2 import Attention
-from dsflash.model_def.layers import Linear
+from dsflash.model_def.layers import Linear, RMSNorm
 
 log = logging.getLogger("dsflash.bind")
 
@@ -75,6 +75,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                 with torch.no_grad():
                     mod.hc_plugin = dispatch.FusedHC(hc_split_weight(mod.hc_attn_fn), hc_split_weight(mod.hc_ffn_fn))
                 bound["mhc"] += 1
+    if plugins.get("norm") == "fused":
+        for mod in model.modules():
+            if isinstance(mod, RMSNorm) and mod.weight.shape[-1] % 32 == 0:   # the kernel's 32-wide blocks
+                mod.plugin = dispatch.FusedRMSNorm()
+                bound["norm"] += 1
     if plugins.get("wo_a") == "fused":
         for mod in model.modules():
             if isinstance(mod, Attention):
@@ -144,6 +149,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, MoE) and mod.plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("moe", n, m, (a[0].detach().clone(),))))
+        elif isinstance(mod, RMSNorm) and mod.plugin is not None:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("norm", n, m, (a[0].detach().clone(),))))
         elif isinstance(mod, Block) and mod.hc_plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("mhc", n, m, (a[0].detach().clone(), a[1].detach().clone()))))
@@ -210,7 +218,7 @@ def _replay(kind: str, mod, payload) -> float:
             setattr(m, nested[0], _PassThrough(nested[1]))
     try:
         with torch.no_grad():
-            if kind in ("gemm", "moe"):
+            if kind in ("gemm", "moe", "norm"):
                 return _rel(mod(payload[0]), ref(payload[0].float()))
             if kind == "mhc":
                 X, pre = payload

@@ -24,6 +24,7 @@ PLUGIN_IMPLS = {
     "moe": (REFERENCE, "mxfp4"),         # router + MXFP4 routed experts + shared-expert add
     "mhc": (REFERENCE, "fused"),         # mHC coefficients, collapse + norm, expand (+ next collapse + norm)
     "wo_a": (REFERENCE, "fused"),        # inverse RoPE + grouped output projection
+    "norm": (REFERENCE, "fused"),        # RMSNorm in one kernel (q_norm, kv_norm, k_norm, the final norm, ...)
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
 _warned: set[str] = set()
@@ -65,6 +66,15 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16)   # [T, N] bf16
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class FusedRMSNorm(nn.Module):
+    """Plugin of an `RMSNorm` (last dim a multiple of 32): `dsflash::rmsnorm`, the reference's fp32 math and rounding
+    in one launch. Holds no tensors: the module's own weight is passed in."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        lead = x.shape[:-1]
+        return ops().rmsnorm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(*lead, x.shape[-1])
 
 
 class MXFP4MoE(nn.Module):

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
-    act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, E4M3, E8M0, QBLOCK)
+    act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, rmsnorm_ref, E4M3, E8M0, QBLOCK)
 from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 
@@ -150,6 +150,12 @@ def rmsnorm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_f
     """RMSNorm (weight [K] fp32|bf16) -> round to x.dtype -> FP8 1×32. Returns (y [..., K] x.dtype, q, scales)."""
     y, q, s, _ = _launch(x, weight, eps, True, True, False, scale_fmt)
     return y, q, s
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (weight [K] fp32|bf16) over the last dim in fp32, rounded to x.dtype: one launch (the reference is
+    about six elementwise and reduction kernels)."""
+    return _launch(x, weight, eps, True, False, False, "fp32")[0]
 
 
 def act_quant_dequant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:

@@ -46,7 +46,7 @@ GEMM_SHAPES = [
 
 
 # op-name prefixes of each section's rows (for --merge)
-SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "act"),
+SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act"),
                "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",)}
 
 
@@ -106,7 +106,7 @@ def _row(op, shape, m, us, ref_us, nbytes, flops, ceil, err, **extra) -> dict:
 
 # -- sections ---------------------------------------------------------------------------------------------------------
 def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
-    from dsflash.plugins.act_quant import act_quant, rmsnorm_act_quant
+    from dsflash.plugins.act_quant import act_quant, rmsnorm, rmsnorm_act_quant
     rows = []
     for name, k, norm in (("act_quant", HIDDEN, False), ("act_quant", 8192, False), ("rmsnorm_act_quant", 1280, True)):
         w = torch.rand(k, device=DEV) + 0.5
@@ -125,6 +125,16 @@ def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
             us, how = graph_time_us(f)
             ref_us, _ = graph_time_us(r)
             rows.append(_row(name, f"{m}x{k}", m, us, ref_us, nbytes, 0, ceil, err, timing=how))
+    # the norm plugin (q_norm 1280, kv_norm 512, the hidden 5120) against the model's torch RMSNorm
+    for k in (512, 1280, HIDDEN):
+        w = torch.rand(k, device=DEV) + 0.5
+        for m in ms:
+            nbytes = 2 * m * k * 2 + k * 4
+            xs = [(torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16) for _ in range(input_sets(nbytes, 16))]
+            err = refs.rel_err(rmsnorm(xs[0], w, 1e-6), refs.rmsnorm_ref(xs[0], w, 1e-6))
+            us, how = graph_time_us([lambda x=x: rmsnorm(x, w, 1e-6) for x in xs])
+            ref_us, _ = graph_time_us([lambda x=x: refs.rmsnorm_ref(x, w, 1e-6) for x in xs])
+            rows.append(_row("rmsnorm", f"{m}x{k}", m, us, ref_us, nbytes, 0, ceil, err, timing=how))
     return rows
 
 

@@ -57,6 +57,20 @@ def _(x, weight, eps, scale_e8m0=False):
             x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
+@torch.library.custom_op("dsflash::rmsnorm", mutates_args=())
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim (K % 32 == 0) in fp32, rounded to x.dtype: the model's `RMSNorm` in one launch."""
+    if x.is_cuda:
+        from dsflash.plugins.act_quant import rmsnorm as k
+        return k(x, weight, eps)
+    return refs.rmsnorm_ref(x, weight, eps)
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("dsflash::act_quant_dequant", mutates_args=())
 def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0) -> Tensor:
     """(RMSNorm ->) FP8 1×32 quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
@@ -296,5 +310,5 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-OPS = ("act_quant", "rmsnorm_act_quant", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix",
-       "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")
+OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear",
+       "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")

@@ -60,3 +60,20 @@ def test_rmsnorm_act_quant(m, k):
     assert _mismatch(s, sr) < 1e-2
     dq = act_quant_dequant(x, w, 1e-6)
     assert refs.rel_err(dq, refs.act_quant_dequant_ref(x, w, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 257])
+@pytest.mark.parametrize("k", [64, 512, 1280, 5120])
+def test_rmsnorm(m, k):
+    """dsflash::rmsnorm (the norm plugin): the fused kernel's norm without the quantization, close to rmsnorm_ref and
+    to rmsnorm_act_quant's norm output, for BF16 and fp32 activations and a leading batch dim. (Not bit-equal to the
+    latter: with the quantization compiled out the sum of squares may be reduced in another order, H200: last-bit
+    differences at 3 of 16 shapes.)"""
+    from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash)
+    from dsflash.plugins.act_quant import rmsnorm_act_quant
+    w = torch.rand(k, device=DEV) + 0.5
+    for x in (_x(m, k), _x(m, k).float(), _x(2 * m, k).view(2, m, k)):
+        y = torch.ops.dsflash.rmsnorm(x, w, 1e-6)
+        assert y.dtype == x.dtype and y.shape == x.shape
+        for yr in (refs.rmsnorm_ref(x, w, 1e-6), rmsnorm_act_quant(x, w, 1e-6)[0]):
+            assert refs.rel_err(y, yr) < 1e-5 if x.dtype == torch.float32 else _mismatch(y, yr) < 1e-2   # last bits
