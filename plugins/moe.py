@@ -588,74 +588,6 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
 
 
-@triton.jit
-def _tok_slot(ids_ptr, t, it, n_steps, s_lo, TOPK: tl.constexpr, BW: tl.constexpr):
-    """Iteration `it` of a by-token w2 program's (slot, K step) loop -> (expert, pair, first word); past the last
-    iteration it stays on the last slot (a harmless in-bounds prefetch)."""
-    j = tl.minimum(it // n_steps, TOPK - 1)
-    p = t * TOPK + j
-    return tl.load(ids_ptr + p).to(tl.int64), p, (s_lo + it % n_steps) * BW
-
-
-@triton.jit
-def _moe_w2_token_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, stride_o, TOPK: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
-    """By token (`MoeConfig.w2_by_token`): token t, output features [pid_n·BN, +BN), K slice pid_k of SPLIT:
-    y = Σ_j h_(t,j)·W2[e_j]ᵀ over the token's k slots in one loop over (slot, K step), so a short intermediate (one
-    TP8 rank: 320, 2.5 steps of 128) still makes a deep loop, and out[t] += y once: a plain read-add-store with
-    SPLIT == 1 (the program owns those outputs: no atomics, the slots summed in a fixed order), atomic otherwise.
-    The e8m0 scales of the next iteration are loaded before the current one's dots, as in `_mx_row_dots`."""
-    t = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
-    gdc_launch_dependents()
-    BW: tl.constexpr = BLOCK_K // 8
-    K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < N
-    ow = tl.arange(0, BW)
-    wrow = offs_n[:, None] * K8 + ow[None, :]          # int32 words [BN, BW] within an expert
-    steps = tl.cdiv(K8, BW)
-    per = tl.cdiv(steps, SPLIT)
-    s_lo = pid_k * per
-    n_steps = tl.maximum(tl.minimum(s_lo + per, steps) - s_lo, 0)
-    k_hi = tl.minimum((s_lo + n_steps) * BW, K8)
-    div = tl.maximum(n_steps, 1)
-    if ACC16:
-        ob = tl.arange(0, BW // 4)
-        sword = ob * 4
-        scol = ob[None, :]
-        acc = tl.zeros([BLOCK_N, BW // 4], dtype=tl.float32)
-    else:
-        sword = ow
-        scol = (ow // 4)[None, :]
-        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-    srow = offs_n[:, None] * (K // 32) + scol           # e8m0 offsets within an expert (one per 4 words)
-    e, p, k8 = _tok_slot(ids_ptr, t, 0, div, s_lo, TOPK, BW)
-    s = _mx_scales(s2_ptr + e * N * (K // 32) + srow, k8, k_hi, sword, K8, mn)
-    for it in tl.range(0, TOPK * n_steps, num_stages=NUM_STAGES):
-        e1, p1, k81 = _tok_slot(ids_ptr, t, it + 1, div, s_lo, TOPK, BW)
-        s_next = _mx_scales(s2_ptr + e1 * N * (K // 32) + srow, k81, k_hi, sword, K8, mn)
-        w_ptrs = w2_ptr + e * N * K8 + wrow + k8
-        mw = k8 + ow < K8
-        if ACC16:
-            acc = _mx_gemv16_step(acc, w_ptrs, s, hp_ptr + p * (K // 4) + ow + k8, K8,
-                                  hs_ptr + p * (K // 32) + ob + k8 // 4, mw, k8 // 4 + ob < K // 32, mn,
-                                  BLOCK_N, BW, EVEN)
-        else:
-            xa, xb, xc, xd = _mx_load_x(hp_ptr + p * (K // 2) + ow + k8, K8, mw, EVEN)
-            acc = _mx_gemv_step(acc, w_ptrs, s, xa, xb, xc, xd, mw, mn, EVEN)
-        e, p, k8, s = e1, p1, k81, s_next
-    y = tl.sum(acc, axis=1)
-    o_ptrs = out_ptr + t * stride_o + offs_n
-    if SPLIT == 1:
-        tl.store(o_ptrs, tl.load(o_ptrs, mask=mn, other=0.0) + y, mask=mn)
-    else:
-        tl.atomic_add(o_ptrs, y, mask=mn, sem="relaxed")
-
-
 # -- wrappers ---------------------------------------------------------------------------------------------------------
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
@@ -841,22 +773,13 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
 
 def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
             cfg: MoeConfig) -> torch.Tensor:
-    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ; hp as `gemv_w13` returns it. One program per
-    pair adding atomically, or (`cfg.w2_by_token`) per token, summing its k slots itself."""
+    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds); hp as `gemv_w13` returns it."""
     hq, hs = hp if cfg.acc16 else (hp, hp)
     p, ipad = hq.shape[0], hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
-    if cfg.w2_by_token:
-        t, topk = ids.shape
-        assert out.shape == (t, d) and p == t * topk, (tuple(out.shape), p, t, topk, d)
-        _moe_w2_token_kernel[(t, triton.cdiv(d, cfg.bn2), split)](
-            hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, out.stride(0),
-            TOPK=topk, SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages,
-            EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
-        return out
     _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,

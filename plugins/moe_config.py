@@ -36,15 +36,12 @@ class MoeConfig:
     stages2: int = 0        # w2 pipelining depth (0: `stages`)
     pdl: bool = False       # GEMV: programmatic dependent launch (each kernel's launch and ramp overlap the tail of
                             # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait)
-    w2_by_token: bool = False   # GEMV w2: one program per token summing its k slots (no atomics with split2 == 1)
-                                # instead of one per (token, slot) pair adding atomically
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
-                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}{'t' if self.w2_by_token else ''}_s{self.stages}{s2}"
-                f"{'_pdl' if self.pdl else ''}")
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{'_pdl' if self.pdl else ''}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
