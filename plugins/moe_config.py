@@ -108,7 +108,7 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) 
 
 def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default tiles and at
-    the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate, w2 in one K step."""
+    the previous default tiles, other f16 tilings, other split-K counts."""
     d = default_moe_config(t, topk, n_experts, inter, dim)
     out = [d]
     if d.gemv:
@@ -121,12 +121,8 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
                 dataclasses.replace(d, split13=min(6, 2 * d.split13)),
                 _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
                 _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
-        if inter <= 512:
-            # a short intermediate (one TP8 rank: 320) in one w2 K step per program, so a program makes one memory
-            # round trip (offline sm_90a builds: 78 registers at 64 rows × 8 warps, 97 at 256 rows × 16 warps)
-            one = 1 << (inter - 1).bit_length()
-            out += [dataclasses.replace(d, bn2=bn, bk2=one, warps2=min(16, gemv_warps(bn, one)), split2=1, stages2=1)
-                    for bn in (64, 256)]
+    # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
+    # at TP8 M = 1 / 3 / 8; w2 with one program per token instead of per pair, benchmarks/moe_w2_by_token_s8_h200.json.)
     return list(dict.fromkeys(out))
 
 
