@@ -2,8 +2,9 @@
 
 (a) `hc_pre`: x = Σ_j pre_j·X_j (fp32 -> BF16) -> RMSNorm -> BF16 (-> FP8 1×32), one kernel.
 (b) `hc_mix`: the 24-wide projection over 4·D on tensor cores with the fp32 weights as one BF16 main term plus two
-    BF16 correction terms (fp32 accumulation; split-K over 4·D), then one epilogue kernel that reduces the partials
-    and the squared-sum statistic and does rsqrt, sigmoid / 2·sigmoid, softmax and the 20 Sinkhorn iterations.
+    BF16 correction terms (fp32 accumulation; split-K over 4·D), then one epilogue kernel (a token per program) that
+    reduces the partials and the squared-sum statistic and does rsqrt, sigmoid / 2·sigmoid, softmax and the 20
+    Sinkhorn iterations on per-thread scalars.
 (c) `hc_post`: X'_k = post_k·f(x) + Σ_j comb[j,k]·X_j, optionally fused with the next site's collapse with V4.1's
     lagged `pre` -> RMSNorm (-> FP8), since that `pre` is known before the expand runs.
 Row kernels take one token per program and walk D in chunks; the norm's second pass re-reads the BF16 row it wrote
@@ -17,6 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.act_quant import _div, _quant_g32, _rsqrt_mean, _store_q_scale
+from dsflash.plugins.splitk import k_slices
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, hc_mix_ref, hc_post_ref, hc_pre_ref, hc_split_weight)
 
@@ -126,13 +128,14 @@ def _hc_post_kernel(
 # -- mixing coefficients ----------------------------------------------------------------------------------------------
 @triton.jit
 def _hc_mix_proj_kernel(
-    x_desc, h_desc, ws_ptr, wsq_ptr,
+    x_desc, h_desc, ws_ptr,
     T, K,
-    stride_ws, stride_wsq,
+    stride_ws,
     SPLIT, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Partial logits ws[split, t, 0:32] = Σ_k x[t,k]·(h0+h1+h2)[r,k] and wsq[split, t] = Σ_k x[t,k]² over a K slice.
-    x and the three weight terms arrive by TMA; each term is one BF16 MMA into the same fp32 accumulator."""
+    """Partial rows ws[split, t, 0:32] over a K slice: columns 0-23 Σ_k x[t,k]·(h0+h1+h2)[r,k], column 31 Σ_k x[t,k]²
+    (the weight's padding rows 24-31 are not read back). x and the three weight terms arrive by TMA; each term is one
+    BF16 MMA into the same fp32 accumulator."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -155,58 +158,84 @@ def _hc_mix_proj_kernel(
         acc = tl.dot(x, h2.T, acc)
         acc = tl.dot(x, h1.T, acc)
         acc = tl.dot(x, h0.T, acc)
-    tl.store(ws_ptr + pid_s * stride_ws + offs_t[:, None] * 32 + rr[None, :], acc, mask=mask_t[:, None])
-    tl.store(wsq_ptr + pid_s * stride_wsq + offs_t, sq, mask=mask_t)
+    part = tl.where(rr[None, :] == 31, sq[:, None], acc)
+    tl.store(ws_ptr + pid_s * stride_ws + offs_t[:, None] * 32 + rr[None, :], part, mask=mask_t[:, None])
+
+
+@triton.jit
+def _normalize_rows(c, eps, one):
+    """c: 16 scalars, row-major 4×4 -> each row divided by (its sum + eps) (one rounded reciprocal per row)."""
+    out = ()
+    for j in tl.static_range(4):
+        inv = _div(one, c[4 * j] + c[4 * j + 1] + c[4 * j + 2] + c[4 * j + 3] + eps)
+        for k in tl.static_range(4):
+            out = out + (c[4 * j + k] * inv, )
+    return out
+
+
+@triton.jit
+def _normalize_cols(c, eps, one):
+    """c: 16 scalars, row-major 4×4 -> each column divided by (its sum + eps)."""
+    inv = ()
+    for k in tl.static_range(4):
+        inv = inv + (_div(one, c[k] + c[4 + k] + c[8 + k] + c[12 + k] + eps), )
+    out = ()
+    for i in tl.static_range(16):
+        out = out + (c[i] * inv[i % 4], )
+    return out
 
 
 @triton.jit
 def _hc_mix_epilogue_kernel(
-    ws_ptr, wsq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-    T, K,
-    stride_ws, stride_wsq,
+    ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    K, stride_ws,
     hc_eps, norm_eps,
-    SPLIT, ITERS, BLOCK_T: tl.constexpr,
+    SPLIT, ITERS, SPLIT_P2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    i4 = tl.arange(0, 4)
-    t2 = offs_t[:, None]                    # [BT, 1]
-    m2 = mask_t[:, None]
-    t3 = offs_t[:, None, None]              # [BT, 1, 1]
-    m3 = mask_t[:, None, None]
-    jj = i4[None, :, None]
-    kk = i4[None, None, :]
-    lp = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
-    lq = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
-    lc = tl.zeros([BLOCK_T, 4, 4], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in range(SPLIT):
-        w = ws_ptr + s * stride_ws
-        lp += tl.load(w + t2 * 32 + i4[None, :], mask=m2, other=0.0)
-        lq += tl.load(w + t2 * 32 + 4 + i4[None, :], mask=m2, other=0.0)
-        lc += tl.load(w + t3 * 32 + 8 + jj * 4 + kk, mask=m3, other=0.0)
-        ss += tl.load(wsq_ptr + s * stride_wsq + offs_t, mask=mask_t, other=0.0)
-    r = _rsqrt_mean(ss, K, norm_eps)        # [BT]
+    """One token per program. The SPLIT partial rows of the token are summed in one masked load and one reduction and
+    written back over ws[0, t]; re-read as 25 scalars, the rsqrt, sigmoids, softmax and Sinkhorn iterations then run
+    on per-thread scalars, with no cross-thread reduction. (A [tokens, 4, 4] tile instead spends ~0.35 µs per Sinkhorn
+    iteration in cross-warp reductions: H200, session 8.)"""
+    t = tl.program_id(0).to(tl.int64)
+    # the constants first, so that their loads overlap the partials' (the barriers below keep loads from moving)
     s0 = tl.load(scale_ptr + 0)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    zp = (lp * r[:, None]) * s0 + tl.load(base_ptr + i4)[None, :]
-    zq = (lq * r[:, None]) * s1 + tl.load(base_ptr + 4 + i4)[None, :]
-    zc = (lc * r[:, None, None]) * s2 + tl.load(base_ptr + 8 + jj * 4 + kk)
+    b = ()
+    for i in tl.static_range(24):
+        b = b + (tl.load(base_ptr + i), )
+    sp = tl.arange(0, SPLIT_P2)
+    col = tl.arange(0, 32)
+    row = ws_ptr + t * 32
+    tot = tl.sum(tl.load(row + sp[:, None] * stride_ws + col[None, :], mask=(sp < SPLIT)[:, None], other=0.0), axis=0)
+    tl.debug_barrier()          # every thread's loads of ws[0, t] are done before it is overwritten
+    tl.store(row + col, tot)
+    tl.debug_barrier()          # and the sums are visible to every thread of the program
+    r = _rsqrt_mean(tl.load(row + 31), K, norm_eps)
     one = tl.full([], 1.0, tl.float32)
-    pre = _div(one, 1.0 + tl.exp(-zp)) + hc_eps
-    post = 2.0 * _div(one, 1.0 + tl.exp(-zq))
+    for i in tl.static_range(4):
+        zp = (tl.load(row + i) * r) * s0 + b[i]
+        zq = (tl.load(row + 4 + i) * r) * s1 + b[4 + i]
+        tl.store(pre_ptr + t * 4 + i, _div(one, 1.0 + tl.exp(-zp)) + hc_eps)
+        tl.store(post_ptr + t * 4 + i, 2.0 * _div(one, 1.0 + tl.exp(-zq)))
     # Sinkhorn: softmax over k (+eps), column-normalise, then (ITERS-1)× row- and column-normalise
-    ez = tl.exp(zc - tl.max(zc, axis=2)[:, :, None])
-    c = _div(ez, tl.sum(ez, axis=2)[:, :, None]) + hc_eps
-    c = _div(c, tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):
-        c = _div(c, tl.sum(c, axis=2)[:, :, None] + hc_eps)
-        c = _div(c, tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    tl.store(pre_ptr + t2 * 4 + i4[None, :], pre, mask=m2)
-    tl.store(post_ptr + t2 * 4 + i4[None, :], post, mask=m2)
-    tl.store(comb_ptr + t3 * 16 + jj * 4 + kk, c, mask=m3)
+    z = ()
+    for i in tl.static_range(16):
+        z = z + ((tl.load(row + 8 + i) * r) * s2 + b[8 + i], )
+    c = ()
+    for j in tl.static_range(4):
+        m = tl.maximum(tl.maximum(z[4 * j], z[4 * j + 1]), tl.maximum(z[4 * j + 2], z[4 * j + 3]))
+        e0 = tl.exp(z[4 * j] - m)
+        e1 = tl.exp(z[4 * j + 1] - m)
+        e2 = tl.exp(z[4 * j + 2] - m)
+        e3 = tl.exp(z[4 * j + 3] - m)
+        den = e0 + e1 + e2 + e3
+        c = c + (_div(e0, den) + hc_eps, _div(e1, den) + hc_eps, _div(e2, den) + hc_eps, _div(e3, den) + hc_eps)
+    c = _normalize_cols(c, hc_eps, one)
+    for _ in range(ITERS - 1):     # a runtime loop: unrolled, the straight-line code (~80 KB) misses the i-cache
+        c = _normalize_cols(_normalize_rows(c, hc_eps, one), hc_eps, one)
+    for i in tl.static_range(16):
+        tl.store(comb_ptr + t * 16 + i, c[i])
 
 
 # -- wrappers ---------------------------------------------------------------------------------------------------------
@@ -295,7 +324,8 @@ def hc_mix_tiles(t: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
     bk = 64  # 128-byte TMA rows
     tiles = triton.cdiv(t, bt)
     n_iter = triton.cdiv(k, bk)
-    split = max(1, min(triton.cdiv(num_sms, tiles), n_iter // 2, 64)) if tiles < num_sms else 1
+    # up to 128 slices (H200, D 5120, T <= 8: 11.8-12.0 µs against 12.4-12.7 at 64; benchmarks/hc_mix_s8_h200.json)
+    split = k_slices(n_iter, min(triton.cdiv(num_sms, tiles), n_iter // 2, 128)) if tiles < num_sms else 1
     return bt, bk, split
 
 
@@ -318,19 +348,16 @@ def hc_mix(xflat: torch.Tensor, h: torch.Tensor, base: torch.Tensor, scale: torc
         return pre, post, comb
     bt, bk, split = hc_mix_tiles(t, k)
     ws = torch.empty((split, t, NMIX_PAD), dtype=torch.float32, device=dev)
-    wsq = torch.empty((split, t), dtype=torch.float32, device=dev)
     x_desc = TensorDescriptor(xflat, [t, k], [xflat.stride(0), 1], [bt, bk])
     h_desc = TensorDescriptor(h.view(3 * NMIX_PAD, k), [3 * NMIX_PAD, k], [k, 1], [NMIX_PAD, bk])
     _hc_mix_proj_kernel[(triton.cdiv(t, bt), split)](
-        x_desc, h_desc, ws, wsq,
+        x_desc, h_desc, ws,
         t, k,
-        ws.stride(0), wsq.stride(0),
+        ws.stride(0),
         SPLIT=split, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=4, num_warps=4)
-    bte = 16
-    _hc_mix_epilogue_kernel[(triton.cdiv(t, bte),)](
-        ws, wsq, base, scale, pre, post, comb,
-        t, k,
-        ws.stride(0), wsq.stride(0),
+    _hc_mix_epilogue_kernel[(t,)](
+        ws, base, scale, pre, post, comb,
+        k, ws.stride(0),
         float(hc_eps), float(norm_eps),
-        SPLIT=split, ITERS=iters, BLOCK_T=bte, num_warps=4)
+        SPLIT=split, ITERS=iters, SPLIT_P2=triton.next_power_of_2(split), num_warps=4 if split > 8 else 1)
     return pre, post, comb
