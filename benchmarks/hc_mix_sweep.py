@@ -1,6 +1,6 @@
 """K-slice sweep of the mHC coefficients (`hc_mix`, D 5120): the projection kernel alone and projection + epilogue
 back to back, timed in CUDA graphs, per token count and slice count, each checked against `hc_mix_ref`. What
-`hc_mix_tiles` picks for small T comes from this output (`benchmarks/hc_mix_s8_h200.json`, "split_sweep").
+`hc_mix_tiles` picks for small T comes from this output (`benchmarks/mhc_s8_h200.json`, "split_sweep").
 
     python3 benchmarks/hc_mix_sweep.py --out hc_mix_sweep.json [--ts 1,8,64] [--splits 32,64,128,160]
 

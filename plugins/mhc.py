@@ -7,7 +7,8 @@
     Sinkhorn iterations on per-thread scalars.
 (c) `hc_post`: X'_k = post_k·f(x) + Σ_j comb[j,k]·X_j, optionally fused with the next site's collapse with V4.1's
     lagged `pre` -> RMSNorm (-> FP8), since that `pre` is known before the expand runs.
-Row kernels take one token per program and walk D in chunks; the norm's second pass re-reads the BF16 row it wrote
+Row kernels take one token per program; a row of up to 8 chunks (V4.1's D 5120: 5) stays in registers, with every load
+issued before the first store; a longer one is walked in chunks, the norm's second pass re-reading the BF16 row it wrote
 (L1/L2-resident). Imports Triton: load this module lazily.
 """
 from __future__ import annotations
@@ -48,13 +49,45 @@ def _norm_quant_pass(y_row, w_ptr, q_row, s_row, D, r, QUANT: tl.constexpr, SCAL
 
 
 @triton.jit
+def _load_chunks(ptr, D, CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr):
+    """A row of D (≤ NCHUNK chunks of CHUNK_G·32) as a tuple of fp32 [CHUNK_G, 32] chunks, all loads in flight."""
+    g = tl.arange(0, CHUNK_G)
+    j = tl.arange(0, 32)
+    out = ()
+    for c in tl.static_range(NCHUNK):
+        offs = c * (CHUNK_G * 32) + g[:, None] * 32 + j[None, :]
+        out = out + (tl.load(ptr + offs, mask=offs < D, other=0.0).to(tl.float32), )
+    return out
+
+
+@triton.jit
+def _norm_quant_regs(xs, ws, y_row, q_row, s_row, D, r, QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                     CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr):
+    """`_norm_quant_pass` on a row held in registers (xs: the collapsed row's chunks, already rounded to y's dtype;
+    ws: the norm weight's): y = round(x·r·w), then optionally FP8-quantize; no re-read of y."""
+    g = tl.arange(0, CHUNK_G)
+    j = tl.arange(0, 32)
+    for c in tl.static_range(NCHUNK):
+        offs = c * (CHUNK_G * 32) + g[:, None] * 32 + j[None, :]
+        mask = offs < D
+        v = ((xs[c] * r) * ws[c]).to(y_row.dtype.element_ty)
+        tl.store(y_row + offs, v, mask=mask)
+        if QUANT:
+            q, e = _quant_g32(v.to(tl.float32))
+            kg = c * CHUNK_G + g
+            _store_q_scale(q, e, q_row + offs, s_row + kg, mask, kg < D // 32, SCALE_E8M0)
+
+
+@triton.jit
 def _hc_pre_kernel(
     x_ptr, pre_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
     D,
     stride_xt, stride_xs, stride_pt, stride_y, stride_q, stride_s,
     eps,
-    QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr,
 ):
+    """Collapse + norm (+ FP8) of token t. NCHUNK > 0: the row (NCHUNK chunks) stays in registers, so every load is
+    in flight at once and y is written once; else two passes over D, the second re-reading y."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, CHUNK_G)
     j = tl.arange(0, 32)
@@ -65,6 +98,21 @@ def _hc_pre_kernel(
     p2 = tl.load(pre_ptr + t * stride_pt + 2)
     p3 = tl.load(pre_ptr + t * stride_pt + 3)
     acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
+    if NCHUNK > 0:
+        ws = _load_chunks(w_ptr, D, CHUNK_G, NCHUNK)
+        x0s = _load_chunks(x_row, D, CHUNK_G, NCHUNK)
+        x1s = _load_chunks(x_row + stride_xs, D, CHUNK_G, NCHUNK)
+        x2s = _load_chunks(x_row + 2 * stride_xs, D, CHUNK_G, NCHUNK)
+        x3s = _load_chunks(x_row + 3 * stride_xs, D, CHUNK_G, NCHUNK)
+        xs = ()
+        for c in tl.static_range(NCHUNK):
+            xf = (p0 * x0s[c] + p1 * x1s[c] + p2 * x2s[c] + p3 * x3s[c]).to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc += xf * xf
+            xs = xs + (xf, )
+        r = _rsqrt_mean(tl.sum(tl.sum(acc, axis=1), axis=0), D, eps)
+        _norm_quant_regs(xs, ws, y_row, q_ptr + t * stride_q, s_ptr + t * stride_s, D, r, QUANT, SCALE_E8M0,
+                         CHUNK_G, NCHUNK)
+        return
     for d0 in range(0, D, CHUNK_G * 32):
         offs = d0 + g[:, None] * 32 + j[None, :]
         mask = offs < D
@@ -89,7 +137,10 @@ def _hc_post_kernel(
     stride_s,
     eps,
     FUSE_NEXT: tl.constexpr, QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr,
+    NCHUNK: tl.constexpr,
 ):
+    """Expand (+ the next site's collapse + norm (+ FP8)) of token t. NCHUNK > 0 (with FUSE_NEXT): the row stays in
+    registers, every load in flight before the first store, y written once; else passes over D re-reading y."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, CHUNK_G)
     j = tl.arange(0, 32)
@@ -97,6 +148,31 @@ def _hc_post_kernel(
     o_row = xo_ptr + t * stride_ot
     c_row = comb_ptr + t * stride_ct
     acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
+    if NCHUNK > 0:
+        ws = _load_chunks(w_ptr, D, CHUNK_G, NCHUNK)
+        fs = _load_chunks(fx_ptr + t * stride_ft, D, CHUNK_G, NCHUNK)
+        x0s = _load_chunks(x_row, D, CHUNK_G, NCHUNK)
+        x1s = _load_chunks(x_row + stride_xs, D, CHUNK_G, NCHUNK)
+        x2s = _load_chunks(x_row + 2 * stride_xs, D, CHUNK_G, NCHUNK)
+        x3s = _load_chunks(x_row + 3 * stride_xs, D, CHUNK_G, NCHUNK)
+        xs = ()
+        for c in tl.static_range(NCHUNK):
+            offs = c * (CHUNK_G * 32) + g[:, None] * 32 + j[None, :]
+            mask = offs < D
+            xn = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
+            for k in tl.static_range(4):
+                mixed = (tl.load(c_row + k) * x0s[c] + tl.load(c_row + 4 + k) * x1s[c]
+                         + tl.load(c_row + 8 + k) * x2s[c] + tl.load(c_row + 12 + k) * x3s[c])
+                ok = (tl.load(post_ptr + t * stride_pt + k) * fs[c] + mixed).to(xo_ptr.dtype.element_ty)
+                tl.store(o_row + k * stride_os + offs, ok, mask=mask)
+                xn += tl.load(npre_ptr + t * stride_nt + k) * ok.to(tl.float32)
+            xf = xn.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc += xf * xf
+            xs = xs + (xf, )
+        r = _rsqrt_mean(tl.sum(tl.sum(acc, axis=1), axis=0), D, eps)
+        _norm_quant_regs(xs, ws, y_ptr + t * stride_y, q_ptr + t * stride_q, s_ptr + t * stride_s, D, r, QUANT,
+                         SCALE_E8M0, CHUNK_G, NCHUNK)
+        return
     for d0 in range(0, D, CHUNK_G * 32):
         offs = d0 + g[:, None] * 32 + j[None, :]
         mask = offs < D
@@ -243,6 +319,12 @@ def _chunk_g(d: int) -> int:
     return min(triton.next_power_of_2(d // QBLOCK), 32)
 
 
+def _row_chunks(d: int) -> int:
+    """Chunks of a row the norm kernels hold in registers (0: too long, two passes over D). V4.1's D 5120: 5."""
+    n = triton.cdiv(d, _chunk_g(d) * QBLOCK)
+    return n if n <= 8 else 0
+
+
 def _check_streams(X: torch.Tensor) -> tuple[int, int]:
     assert X.dim() == 3 and X.shape[1] == NS, f"X must be [T, {NS}, D], got {tuple(X.shape)}"
     assert X.stride(2) == 1, "X's last dim must be contiguous"
@@ -275,7 +357,8 @@ def hc_pre(X: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: f
             d,
             X.stride(0), X.stride(1), pre.stride(0), d, d, d // QBLOCK,
             float(eps),
-            QUANT=quant, SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=_chunk_g(d), num_warps=4)
+            QUANT=quant, SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=_chunk_g(d), NCHUNK=_row_chunks(d),
+            num_warps=8 if _row_chunks(d) > 2 else 4)
     if not quant:
         return y
     return y, q, (s.view(E8M0) if scale_fmt == "e8m0" else s)
@@ -310,7 +393,8 @@ def hc_post(X: torch.Tensor, fx: torch.Tensor, post: torch.Tensor, comb: torch.T
             X.stride(0), X.stride(1), fx.stride(0), post.stride(0), comb.stride(0), NS * d, d,
             next_pre.stride(0) if fuse else 0, d, d, d // QBLOCK,
             float(eps),
-            FUSE_NEXT=fuse, QUANT=quant, SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=_chunk_g(d), num_warps=4)
+            FUSE_NEXT=fuse, QUANT=quant, SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=_chunk_g(d),
+            NCHUNK=_row_chunks(d) if fuse else 0, num_warps=8 if fuse and _row_chunks(d) > 2 else 4)
     if not fuse:
         return Xo
     if not quant:
@@ -324,7 +408,7 @@ def hc_mix_tiles(t: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
     bk = 64  # 128-byte TMA rows
     tiles = triton.cdiv(t, bt)
     n_iter = triton.cdiv(k, bk)
-    # up to 128 slices (H200, D 5120, T <= 8: 11.8-12.0 µs against 12.4-12.7 at 64; benchmarks/hc_mix_s8_h200.json)
+    # up to 128 slices (H200, D 5120, T <= 8: 11.8-12.0 µs against 12.4-12.7 at 64; benchmarks/mhc_s8_h200.json)
     split = k_slices(n_iter, min(triton.cdiv(num_sms, tiles), n_iter // 2, 128)) if tiles < num_sms else 1
     return bt, bk, split
 

@@ -40,7 +40,7 @@ def test_hc_mix(t, d):
 
 
 @pytest.mark.parametrize("t", [1, 3, 257])
-@pytest.mark.parametrize("d", [256, 5120])
+@pytest.mark.parametrize("d", [256, 5120, 9248])   # 9248: past the register-resident row (10 chunks), two passes
 @pytest.mark.parametrize("quant", [False, True])
 def test_hc_pre(t, d, quant):
     from dsflash.plugins.mhc import hc_pre
@@ -58,7 +58,7 @@ def test_hc_pre(t, d, quant):
 
 
 @pytest.mark.parametrize("t", [1, 3, 257])
-@pytest.mark.parametrize("d", [256, 5120])
+@pytest.mark.parametrize("d", [256, 5120, 9248])
 @pytest.mark.parametrize("mode", ["expand", "fused", "fused_quant"])
 def test_hc_post(t, d, mode):
     from dsflash.plugins.mhc import hc_post
