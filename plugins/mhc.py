@@ -149,6 +149,7 @@ def _hc_post_kernel(
     o_row = xo_ptr + t * stride_ot
     c_row = comb_ptr + t * stride_ct
     acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
+    tl.static_assert(NCHUNK == 0 or FUSE_NEXT, "the register-resident row is the fused path's")
     if NCHUNK > 0:
         ws = _load_chunks(w_ptr, D, CHUNK_G, NCHUNK)
         fs = _load_chunks(fx_ptr + t * stride_ft, D, CHUNK_G, NCHUNK)
