@@ -62,6 +62,36 @@ def _load_chunks(ptr, D, CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr):
 
 
 @triton.jit
+def _load_streams(x_row, stride_xs, D, CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr):
+    """The 4 streams of a token's row, each as `_load_chunks` returns it: x[j][c] is chunk c of stream j."""
+    return (_load_chunks(x_row, D, CHUNK_G, NCHUNK), _load_chunks(x_row + stride_xs, D, CHUNK_G, NCHUNK),
+            _load_chunks(x_row + 2 * stride_xs, D, CHUNK_G, NCHUNK),
+            _load_chunks(x_row + 3 * stride_xs, D, CHUNK_G, NCHUNK))
+
+
+@triton.jit
+def _expand_coeffs(post_row, comb_row, npre_row, FUSE_NEXT: tl.constexpr):
+    """post_k, comb[j, k] (row-major, 16) and, when fused, the next site's pre_k, as scalars loaded once: loaded where
+    they are used, the expand's stores (possible aliases to the compiler) would make every chunk reload them."""
+    post = ()
+    npre = ()
+    for k in tl.static_range(4):
+        post = post + (tl.load(post_row + k), )
+        if FUSE_NEXT:
+            npre = npre + (tl.load(npre_row + k), )
+    comb = ()
+    for i in tl.static_range(16):
+        comb = comb + (tl.load(comb_row + i), )
+    return post, comb, npre
+
+
+@triton.jit
+def _expand_stream(x0, x1, x2, x3, f, post, comb, k: tl.constexpr):
+    """Output stream k of the expand, fp32: post_k·f(x) + Σ_j comb[j, k]·X_j."""
+    return post[k] * f + (comb[k] * x0 + comb[4 + k] * x1 + comb[8 + k] * x2 + comb[12 + k] * x3)
+
+
+@triton.jit
 def _norm_quant_regs(xs, ws, y_row, q_row, s_row, D, r, QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr,
                      CHUNK_G: tl.constexpr, NCHUNK: tl.constexpr):
     """`_norm_quant_pass` on a row held in registers (xs: the collapsed row's chunks, already rounded to y's dtype;
@@ -101,13 +131,11 @@ def _hc_pre_kernel(
     acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
     if NCHUNK > 0:
         ws = _load_chunks(w_ptr, D, CHUNK_G, NCHUNK)
-        x0s = _load_chunks(x_row, D, CHUNK_G, NCHUNK)
-        x1s = _load_chunks(x_row + stride_xs, D, CHUNK_G, NCHUNK)
-        x2s = _load_chunks(x_row + 2 * stride_xs, D, CHUNK_G, NCHUNK)
-        x3s = _load_chunks(x_row + 3 * stride_xs, D, CHUNK_G, NCHUNK)
+        xin = _load_streams(x_row, stride_xs, D, CHUNK_G, NCHUNK)
         xs = ()
         for c in tl.static_range(NCHUNK):
-            xf = (p0 * x0s[c] + p1 * x1s[c] + p2 * x2s[c] + p3 * x3s[c]).to(y_ptr.dtype.element_ty).to(tl.float32)
+            xf = (p0 * xin[0][c] + p1 * xin[1][c] + p2 * xin[2][c] + p3 * xin[3][c]).to(y_ptr.dtype.element_ty)
+            xf = xf.to(tl.float32)
             acc += xf * xf
             xs = xs + (xf, )
         r = _rsqrt_mean(tl.sum(tl.sum(acc, axis=1), axis=0), D, eps)
@@ -147,27 +175,24 @@ def _hc_post_kernel(
     j = tl.arange(0, 32)
     x_row = x_ptr + t * stride_xt
     o_row = xo_ptr + t * stride_ot
-    c_row = comb_ptr + t * stride_ct
+    post, comb, npre = _expand_coeffs(post_ptr + t * stride_pt, comb_ptr + t * stride_ct, npre_ptr + t * stride_nt,
+                                      FUSE_NEXT)
     acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
     tl.static_assert(NCHUNK == 0 or FUSE_NEXT, "the register-resident row is the fused path's")
     if NCHUNK > 0:
         ws = _load_chunks(w_ptr, D, CHUNK_G, NCHUNK)
         fs = _load_chunks(fx_ptr + t * stride_ft, D, CHUNK_G, NCHUNK)
-        x0s = _load_chunks(x_row, D, CHUNK_G, NCHUNK)
-        x1s = _load_chunks(x_row + stride_xs, D, CHUNK_G, NCHUNK)
-        x2s = _load_chunks(x_row + 2 * stride_xs, D, CHUNK_G, NCHUNK)
-        x3s = _load_chunks(x_row + 3 * stride_xs, D, CHUNK_G, NCHUNK)
+        xin = _load_streams(x_row, stride_xs, D, CHUNK_G, NCHUNK)
         xs = ()
         for c in tl.static_range(NCHUNK):
             offs = c * (CHUNK_G * 32) + g[:, None] * 32 + j[None, :]
             mask = offs < D
             xn = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
             for k in tl.static_range(4):
-                mixed = (tl.load(c_row + k) * x0s[c] + tl.load(c_row + 4 + k) * x1s[c]
-                         + tl.load(c_row + 8 + k) * x2s[c] + tl.load(c_row + 12 + k) * x3s[c])
-                ok = (tl.load(post_ptr + t * stride_pt + k) * fs[c] + mixed).to(xo_ptr.dtype.element_ty)
+                ok = _expand_stream(xin[0][c], xin[1][c], xin[2][c], xin[3][c], fs[c], post, comb, k)
+                ok = ok.to(xo_ptr.dtype.element_ty)
                 tl.store(o_row + k * stride_os + offs, ok, mask=mask)
-                xn += tl.load(npre_ptr + t * stride_nt + k) * ok.to(tl.float32)
+                xn += npre[k] * ok.to(tl.float32)
             xf = xn.to(y_ptr.dtype.element_ty).to(tl.float32)
             acc += xf * xf
             xs = xs + (xf, )
@@ -185,12 +210,10 @@ def _hc_post_kernel(
         f = tl.load(fx_ptr + t * stride_ft + offs, mask=mask, other=0.0).to(tl.float32)
         xn = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
         for k in tl.static_range(4):
-            mixed = (tl.load(c_row + k) * x0 + tl.load(c_row + 4 + k) * x1
-                     + tl.load(c_row + 8 + k) * x2 + tl.load(c_row + 12 + k) * x3)
-            ok = (tl.load(post_ptr + t * stride_pt + k) * f + mixed).to(xo_ptr.dtype.element_ty)
+            ok = _expand_stream(x0, x1, x2, x3, f, post, comb, k).to(xo_ptr.dtype.element_ty)
             tl.store(o_row + k * stride_os + offs, ok, mask=mask)
             if FUSE_NEXT:
-                xn += tl.load(npre_ptr + t * stride_nt + k) * ok.to(tl.float32)
+                xn += npre[k] * ok.to(tl.float32)
         if FUSE_NEXT:
             xc = xn.to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + t * stride_y + offs, xc, mask=mask)
