@@ -154,23 +154,24 @@ def metrics(client, url: str, **headers) -> dict[str, float]:
     return parse(r.text)
 
 
-def wait_metric(client, url: str, key: str, at_least: float, timeout: float = 10, **headers) -> dict[str, float]:
-    """Poll /metrics until `key` reaches `at_least` (an abort frees its pages at once, but is counted as finished
-    by the engine's next step, a moment later); returns the last sample."""
+def _poll_metrics(client, url: str, done, timeout: float, interval: float, **headers) -> dict[str, float]:
+    """Poll /metrics until done(sample) or the timeout; returns the last sample."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(client, url, **headers)
-        if m.get(key, 0) >= at_least or time.monotonic() > deadline:
+        if done(m) or time.monotonic() > deadline:
             return m
-        time.sleep(0.05)
+        time.sleep(interval)
+
+
+def wait_metric(client, url: str, key: str, at_least: float, timeout: float = 10, **headers) -> dict[str, float]:
+    """Poll /metrics until `key` reaches `at_least` (an abort frees its pages at once, but is counted as finished
+    by the engine's next step, a moment later); returns the last sample."""
+    return _poll_metrics(client, url, lambda m: m.get(key, 0) >= at_least, timeout, 0.05, **headers)
 
 
 def wait_idle(client, url: str, timeout: float = 20, **headers) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and no KV-cache block is in use; returns the last sample."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(client, url, **headers)
-        if (m["trtllm_kv_cache_used_blocks"] == 0 and m["trtllm_num_requests_running"] == 0
-                and m["trtllm_num_requests_waiting"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
+    return _poll_metrics(client, url, lambda m: (m["trtllm_kv_cache_used_blocks"] == 0
+                                                 and m["trtllm_num_requests_running"] == 0
+                                                 and m["trtllm_num_requests_waiting"] == 0), timeout, 0.1, **headers)
