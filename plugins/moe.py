@@ -34,14 +34,12 @@ block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
@@ -370,17 +368,14 @@ def _mx_load_x(x_ptrs, K8, mw, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _mx_words(w_src, wrow, k8, mw, mn, e, n0, TMA: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr,
-              BW: tl.constexpr, EVEN: tl.constexpr):
-    """The [ROWS, BW] int32 weight words from word k8 of each row. TMA: w_src is a descriptor over the experts'
-    words as [E·G, N, K/8] with block [G, ROWS/G, BW], read at (G·e, n0, k8); rows past N and words past K/8 come
-    back as 0. Else pointer loads at w_src + wrow + k8, masked by rows mn and words mw unless EVEN."""
-    if TMA:
-        return tl.reshape(w_src.load([(e * G).to(tl.int32), n0, k8]), (ROWS, BW))
-    elif EVEN:
-        return tl.load(w_src + wrow + k8)
+def _mx_gemv_step(acc, w_ptrs, s, xa, xb, xc, xd, mw, mn, EVEN: tl.constexpr):
+    """acc [BN, BW] += the dot of BW int32 words (8 codes each) per row with the activations (s: the words' e8m0
+    scales, loaded by the caller). EVEN: no masks."""
+    if EVEN:
+        w = tl.load(w_ptrs)
     else:
-        return tl.load(w_src + wrow + k8, mask=mn[:, None] & mw[None, :], other=0)
+        w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
+    return _mx_dot8(acc, w, e8m0_to_f32(s), xa, xb, xc, xd)
 
 
 def _mx_dot32h_asm() -> str:
@@ -424,16 +419,18 @@ def _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc):
 
 
 @triton.jit
-def _mx_gemv16_step(acc, w, s, x_ptrs, K8, xs_ptrs, mw, mb,
+def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
                     ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
-    """acc [ROWS, BW/4] += the scaled dot of each row's BW words w (BW/4 32-blocks, e8m0 scales s; both loaded by
-    the caller) with the f16 activation codes (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at
+    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks, e8m0 scales s loaded by the
+    caller) with the f16 activation codes (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at
     xs_ptrs). EVEN: no masks."""
     if EVEN:
+        w = tl.load(w_ptrs)
         xl = tl.load(x_ptrs[None, :])
         xh = tl.load(x_ptrs[None, :] + K8)
         xs = tl.load(xs_ptrs[None, :])
     else:
+        w = tl.load(w_ptrs, mask=mn[:, None] & mw[None, :], other=0)
         xl = tl.load(x_ptrs[None, :], mask=mw[None, :], other=0)
         xh = tl.load(x_ptrs[None, :] + K8, mask=mw[None, :], other=0)
         xs = tl.load(xs_ptrs[None, :], mask=mb[None, :], other=0.0)
@@ -446,19 +443,12 @@ def _mx_gemv16_step(acc, w, s, x_ptrs, K8, xs_ptrs, mw, mb,
 
 
 @triton.jit
-def _mx_row_dots(w_src, w_off, s_e, e, n0, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.constexpr,
-                 ROWS: tl.constexpr, BW: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 ACC16: tl.constexpr, TMA: tl.constexpr, G: tl.constexpr):
-    """The decode GEMVs' K loop: [ROWS] fp32 dots of weight rows `rows` of expert e (words at w_src + w_off, or by
-    TMA from descriptor w_src: G row blocks of ROWS/G from n0, see `_mx_words`; e8m0 scales at s_e) with activation
-    row xi, over K slice pid_k of SPLIT; the activation in the fp32 GEMV layout at x_ptr, or (ACC16) as f16 codes
-    at x_ptr with block scales at xs_ptr. With TMA the pipelined loop streams the weight tiles through shared
-    memory (NUM_STAGES - 1 in flight), so the loads in flight no longer cost registers."""
+def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                 BW: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
+    """The decode GEMVs' K loop: [ROWS] fp32 dots of weight rows `rows` of one expert (words at w_e, e8m0 scales at
+    s_e) with activation row xi, over K slice pid_k of SPLIT; the activation in the fp32 GEMV layout at x_ptr, or
+    (ACC16) as f16 codes at x_ptr with block scales at xs_ptr."""
     ow = tl.arange(0, BW)
-    if TMA:
-        w_e = w_src
-    else:
-        w_e = w_src + w_off
     wrow = rows[:, None] * K8 + ow[None, :]                  # int32 words [ROWS, BW] within the expert
     per = tl.cdiv(tl.cdiv(K8, BW), SPLIT) * BW
     k_lo = pid_k * per
@@ -474,10 +464,8 @@ def _mx_row_dots(w_src, w_off, s_e, e, n0, rows, mn, x_ptr, xs_ptr, xi, K, K8, p
         s = _mx_scales(srow, k_lo, k_hi, ob * 4, K8, mn)
         for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
             s_next = _mx_scales(srow, k8 + BW, k_hi, ob * 4, K8, mn)
-            mw = k8 + ow < K8
-            w = _mx_words(w_e, wrow, k8, mw, mn, e, n0, TMA, G, ROWS, BW, EVEN)
-            acc = _mx_gemv16_step(acc, w, s, xrow + k8, K8, xsrow + k8 // 4, mw, k8 // 4 + ob < K // 32, ROWS,
-                                  BW, EVEN)
+            acc = _mx_gemv16_step(acc, w_e + wrow + k8, s, xrow + k8, K8, xsrow + k8 // 4,
+                                  k8 + ow < K8, k8 // 4 + ob < K // 32, mn, ROWS, BW, EVEN)
             s = s_next
     else:
         srow = s_e + rows[:, None] * (K // 32) + (ow // 4)[None, :]   # one e8m0 per 4 words
@@ -488,8 +476,7 @@ def _mx_row_dots(w_src, w_off, s_e, e, n0, rows, mn, x_ptr, xs_ptr, xi, K, K8, p
             s_next = _mx_scales(srow, k8 + BW, k_hi, ow, K8, mn)
             mw = k8 + ow < K8
             xa, xb, xc, xd = _mx_load_x(xrow + k8, K8, mw, EVEN)
-            w = _mx_words(w_e, wrow, k8, mw, mn, e, n0, TMA, G, ROWS, BW, EVEN)
-            acc = _mx_dot8(acc, w, e8m0_to_f32(s), xa, xb, xc, xd)
+            acc = _mx_gemv_step(acc, w_e + wrow + k8, s, xa, xb, xc, xd, mw, mn, EVEN)
             s = s_next
     return tl.sum(acc, axis=1)
 
@@ -518,13 +505,13 @@ def _pair_perm16(n, N):
 def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
                          N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                         ACC16: tl.constexpr, TMA: tl.constexpr):
+                         ACC16: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
     and the last program of the tile to arrive (acq_rel counter, reset by it) sums them in slice order and runs
     the epilogue. ACC16: the activation is in the f16-code layout (xp codes, xs block scales) and so is h (hp, hs),
-    the f16-accumulating GEMV (`_mx_gemv16_step`). TMA: w13_ptr is a descriptor over w13 as [2E, N, K/8] words."""
+    the f16-accumulating GEMV (`_mx_gemv16_step`)."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -537,9 +524,10 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     r = tl.arange(0, 2 * BLOCK_N)
     rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
     mn = pid_n * BLOCK_N + r % BLOCK_N < N
+    w_e = w13_ptr + e * 2 * N * K8
     s_e = s13_ptr + e * 2 * N * (K // 32)
-    gu = _mx_row_dots(w13_ptr, e * 2 * N * K8, s_e, e, pid_n * BLOCK_N, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64),
-                      K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW, NUM_STAGES, EVEN, ACC16, TMA, 2)
+    gu = _mx_row_dots(w_e, s_e, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64), K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW,
+                      NUM_STAGES, EVEN, ACC16)
     if SPLIT == 1:
         _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
     else:
@@ -578,11 +566,10 @@ def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLO
 @triton.jit
 def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                        ACC16: tl.constexpr, TMA: tl.constexpr):
+                        ACC16: tl.constexpr):
     """Pair p, output features [pid_n·BN, +BN), K slice pid_k of SPLIT: y = h_p·W2[e]ᵀ, atomically added (fp32)
     into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum).
-    ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV. TMA: w2_ptr is a
-    descriptor over w2 as [E, N, K/8] words."""
+    ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -594,53 +581,11 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
+    w2_e = w2_ptr + e * N * K8
     s2_e = s2_ptr + e * N * (K // 32)
-    y = _mx_row_dots(w2_ptr, e * N * K8, s2_e, e, pid_n * BLOCK_N, offs_n, mn, hp_ptr, hs_ptr, p.to(tl.int64), K,
-                     K8, pid_k, SPLIT, BLOCK_N, BW, NUM_STAGES, EVEN, ACC16, TMA, 1)
+    y = _mx_row_dots(w2_e, s2_e, offs_n, mn, hp_ptr, hs_ptr, p.to(tl.int64), K, K8, pid_k, SPLIT, BLOCK_N, BW,
+                     NUM_STAGES, EVEN, ACC16)
     tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, y, mask=mn, sem="relaxed")
-
-
-@triton.jit
-def _moe_w2_gemv_persistent_kernel(hp_ptr, hs_ptr, w2_desc, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, n_items,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """`_moe_w2_gemv_kernel` (f16 accumulation, TMA, no split) on a persistent grid: program g takes the work items
-    (pair p, tile of BLOCK_N output features) g, g + G, ... and walks them as one flattened loop of (item, K step),
-    so the TMA ring runs ahead across item boundaries: a short K (one TP8 rank: 320) no longer pays a ramp and a
-    drain per program. Each item's dots are atomically added into out[t] at its last K step."""
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    gdc_wait()
-    gdc_launch_dependents()
-    BW: tl.constexpr = BLOCK_K // 8
-    K8 = tl.multiple_of(K // 8, 4)
-    KB = K // 32
-    k_steps = tl.cdiv(K8, BW)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    n_mine = tl.cdiv(n_items - pid, n_progs)
-    ow = tl.arange(0, BW)
-    ob = tl.arange(0, BW // 4)
-    r = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BW // 4], dtype=tl.float32)
-    for i in tl.range(0, n_mine * k_steps, num_stages=NUM_STAGES):
-        item = pid + (i // k_steps) * n_progs
-        kk = i % k_steps
-        p = item // n_tiles
-        n0 = (item % n_tiles) * BLOCK_N
-        e = tl.load(ids_ptr + p)
-        offs_n = n0 + r
-        mn = offs_n < N
-        k8 = kk * BW
-        w = tl.reshape(w2_desc.load([e, n0, k8]), (BLOCK_N, BW))
-        mb = k8 // 4 + ob < KB
-        s = tl.load(s2_ptr + (e.to(tl.int64) * N + offs_n)[:, None] * KB + (k8 // 4 + ob)[None, :],
-                    mask=mn[:, None] & mb[None, :], other=0)
-        xrow = hp_ptr + p.to(tl.int64) * (K // 4) + ow + k8
-        acc = _mx_gemv16_step(acc, w, s, xrow, K8, hs_ptr + p.to(tl.int64) * KB + k8 // 4 + ob, k8 + ow < K8, mb,
-                              BLOCK_N, BW, False)
-        if kk == k_steps - 1:
-            t = p // TOPK
-            tl.atomic_add(out_ptr + t.to(tl.int64) * stride_o + offs_n, tl.sum(acc, axis=1), mask=mn, sem="relaxed")
-            acc = tl.zeros([BLOCK_N, BW // 4], dtype=tl.float32)
 
 
 # -- wrappers ---------------------------------------------------------------------------------------------------------
@@ -788,21 +733,6 @@ def stack_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     return torch.cat([w1, w3], dim=1).contiguous()
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _weight_words(q: torch.Tensor, g: int, block_n: int, block_k: int, tma: bool):
-    """The GEMV kernels' view of packed weights q [E, G·N, K/2]: int32 words, or (tma) a TMA descriptor over them as
-    [E·G, N, K/8] with block [G, block_n, block_k/8] (w13: G = 2, the w1 and w3 rows of a tile in one box)."""
-    w = q.view(torch.int32)
-    if not tma:
-        return w
-    e, gn, k8 = w.shape
-    return TensorDescriptor(w, [e * g, gn // g, k8], [gn // g * k8, k8, 1], [g, block_n, block_k // 8])
-
-
 def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
     assert q.shape == (e, n, k // 2) and q.dtype in (torch.int8, torch.uint8) and q.is_contiguous(), \
         f"{name}: packed weight must be int8 [E={e}, N={n}, K/2={k // 2}] contiguous, got {tuple(q.shape)} {q.dtype}"
@@ -834,11 +764,10 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         if split > 1 else hq
     cnt = split_counter(codes.device, p * n_tiles, "moe_w13") if split > 1 else ids
     _moe_w13_gemv_kernel[(p, n_tiles, split)](
-        codes.view(torch.int64), xs, _weight_words(w13_q, 2, cfg.bn13, cfg.bk13, cfg.tma), _u8(w13_s), hq, hs, ids,
-        weights, ws, cnt,
+        codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
-        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, TMA=cfg.tma,
-        num_warps=cfg.warps, launch_pdl=cfg.pdl)
+        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps,
+        launch_pdl=cfg.pdl)
     return hp
 
 
@@ -849,21 +778,12 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
     p, ipad = hq.shape[0], hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
-    w2 = _weight_words(w2_q, 1, cfg.bn2, cfg.bk2, cfg.tma or cfg.persist2 > 0)
-    if cfg.persist2:
-        assert cfg.acc16, f"the persistent w2 GEMV is the f16-accumulating one, not {cfg.tag()}"
-        items = p * triton.cdiv(d, cfg.bn2)
-        _moe_w2_gemv_persistent_kernel[(min(items, cfg.persist2 * _num_sms(out.device)), )](
-            hq.view(torch.int64), hs, w2, _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0), items,
-            BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, num_warps=cfg.warps2,
-            launch_pdl=cfg.pdl)
-        return out
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
     _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
-        hq.view(torch.int64), hs, w2, _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0), SPLIT=split,
-        BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
-        ACC16=cfg.acc16, TMA=cfg.tma, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
+        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
+        SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
+        ACC16=cfg.acc16, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
     return out
 
 

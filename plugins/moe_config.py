@@ -36,18 +36,12 @@ class MoeConfig:
     stages2: int = 0        # w2 pipelining depth (0: `stages`)
     pdl: bool = False       # GEMV: programmatic dependent launch (each kernel's launch and ramp overlap the tail of
                             # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait)
-    tma: bool = False       # GEMV: weight tiles by TMA through a shared-memory ring (`stages` / `stages2` deep)
-                            # instead of loads into registers (sm90+)
-    persist2: int = 0       # w2 on a persistent grid of persist2 programs per SM, its weights by TMA whatever `tma`
-                            # says (f16 accumulation, no split; 0: one program per (pair, tile, K slice))
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
-        flags = (("_pdl" if self.pdl else "") + ("_tma" if self.tma else "")
-                 + (f"_p{self.persist2}" if self.persist2 else ""))
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
-                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{'_pdl' if self.pdl else ''}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,14 +121,6 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
                 dataclasses.replace(d, split13=min(6, 2 * d.split13)),
                 _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
                 _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
-        # the weight tiles by TMA through a shared-memory ring: no registers held by loads in flight
-        out += [dataclasses.replace(d, tma=True, stages2=max(3, d.stages2)),
-                dataclasses.replace(d, tma=True, stages=5, stages2=4),
-                dataclasses.replace(d, tma=True, stages=5, stages2=4, pdl=True)]
-        if d.acc16:   # w2 on a persistent grid: the TMA ring runs on across its (pair, tile) items
-            out += [dataclasses.replace(d, persist2=n, stages2=4, split2=1) for n in (2, 3)]
-            out += [dataclasses.replace(d, persist2=n, stages2=4, split2=1, bn2=128,
-                                        warps2=gemv_warps(128, d.bk2)) for n in (3, 4)]
     # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
     # at TP8 M = 1 / 3 / 8; w2 with one program per token instead of per pair, benchmarks/moe_w2_by_token_s8_h200.json.)
     return list(dict.fromkeys(out))
