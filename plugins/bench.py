@@ -12,6 +12,7 @@ in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -408,8 +409,10 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 if best is None:
                     raise RuntimeError("no MoE config ran")
                 rows.append(best | {"op": "moe_experts[tuned]", "candidates": tried})
-                # the two GEMMs of the decode path on their own (best config)
+                # the two GEMMs of the decode path on their own (best config; without PDL, which only matters
+                # between different kernels: a launch chained to itself would hold SM slots waiting for its twin)
                 if best_cfg.gemv:
+                    best_cfg = dataclasses.replace(best_cfg, pdl=False)
                     xin = xq_in[best_cfg.xq_layout]
                     hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
                            for i, r in enumerate(routed)]

@@ -778,6 +778,10 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
     p, ipad = hq.shape[0], hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
+    if cfg.rows2:
+        assert cfg.acc16, f"the row-per-thread w2 GEMV reads h as f16 codes (acc16), not {cfg.tag()}"
+        from dsflash.plugins.moe_gluon import gemv_w2_rows
+        return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, cfg.pdl)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
     _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](

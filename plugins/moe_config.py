@@ -36,12 +36,15 @@ class MoeConfig:
     stages2: int = 0        # w2 pipelining depth (0: `stages`)
     pdl: bool = False       # GEMV: programmatic dependent launch (each kernel's launch and ramp overlap the tail of
                             # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait)
+    rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
+                            # `rows_fit`), warps2 warps of 16 rows
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
+        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "")
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
-                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{'_pdl' if self.pdl else ''}")
+                f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,6 +83,12 @@ def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: in
                      s2, acc16, stages2)
 
 
+def rows_fit(inter: int) -> bool:
+    """Whether `moe_gluon`'s row-per-thread-pair w2 GEMV takes this (padded) intermediate: rows of a multiple of 8
+    words, all held in registers (K <= 512)."""
+    return inter % 64 == 0 and inter <= 512
+
+
 def _div(n: int, want: int, floor: int) -> int:
     """The largest power of two <= want dividing n (at least floor)."""
     b = want
@@ -91,14 +100,17 @@ def _div(n: int, want: int, floor: int) -> int:
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
     """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
     H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
-    w2 64 rows × 256 K for a long intermediate (TP1-like), 256 rows × 128 K, 2 K slices and no cp.async staging
-    for a short one (one TP8 rank: 320). Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the
-    average expert gets more than ~24/48 tokens)."""
+    w2 64 rows × 256 K for a long intermediate (TP1-like); for a short one (one TP8 rank: 320) the row-per-thread-pair
+    Gluon w2 (`rows2`, 4 warps) with PDL: the whole pass 1.05-1.11× faster than with the best Triton w2 tile at
+    M = 1 / 3 / 8 (benchmarks/moe_w2_rows_s9_h200.json); else 256 rows × 128 K, 2 K slices, no cp.async staging.
+    Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48
+    tokens)."""
     if t * topk <= 2 * n_experts:
         bk13 = _div(dim, 256, 32)
         if inter >= 1024:
             return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
-        return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+        cfg = _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+        return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1, pdl=True) if rows_fit(inter) else cfg
     avg = t * topk / max(1, n_experts)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
     if bm == 16:
@@ -107,10 +119,16 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) 
 
 
 def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
-    """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default tiles and at
-    the previous default tiles, other f16 tilings, other split-K counts."""
-    d = default_moe_config(t, topk, n_experts, inter, dim)
-    out = [d]
+    """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
+    tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
+    row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default."""
+    first = default_moe_config(t, topk, n_experts, inter, dim)
+    out = [first]
+    d = first
+    if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
+        out += [dataclasses.replace(first, warps2=w) for w in (2, 8)] + [dataclasses.replace(first, pdl=False)]
+        d = dataclasses.replace(first, rows2=False, warps2=gemv_warps(first.bn2, first.bk2), split2=2, pdl=False)
+        out.append(d)
     if d.gemv:
         out.append(dataclasses.replace(d, pdl=not d.pdl))
         p = t * topk

@@ -145,6 +145,7 @@ def test_align_layout():
 @pytest.mark.parametrize("m", MS)
 def test_moe_experts(m, experts, gate):
     from dsflash.plugins.moe import MoeConfig, moe_candidates, moe_experts
+    from dsflash.plugins.moe_config import rows_fit
     tp, inter, ipad, w13_q, w13_s, w2_q, w2_s = experts
     gw, bias = gate
     x = _x(m, 100 + m)
@@ -156,9 +157,12 @@ def test_moe_experts(m, experts, gate):
     # both paths at every M: the decode GEMV and the sorted BF16-MMA path
     cfgs += [MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)] if cfgs[0].gemv else [MoeConfig(True, 32, 128, 128, 64,
                                                                                              2, 4, 16, 2)]
-    # both decode GEMV accumulations (fp32 and f16 in-block), split-K and not
-    gemv = next(c for c in cfgs if c.gemv)
+    # both decode GEMV accumulations (fp32 and f16 in-block), split-K and not, with the Triton w2
+    gemv = dataclasses.replace(next(c for c in cfgs if c.gemv), rows2=False, pdl=False)
     cfgs += [dataclasses.replace(gemv, acc16=not gemv.acc16), dataclasses.replace(gemv, acc16=True, split13=3, split2=2)]
+    if rows_fit(ipad):   # one TP8 rank: w2 with a row per thread pair (Gluon; the default there), with and without PDL
+        cfgs += [dataclasses.replace(gemv, acc16=True, rows2=True, warps2=w, split2=1, pdl=pdl)
+                 for w, pdl in ((4, True), (2, False))]
     ids32 = ids.to(torch.int32)
     for cfg in cfgs:
         out = moe_experts(xq, w, ids32, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)
@@ -228,3 +232,28 @@ def test_moe_gemv_uneven_tiles(acc16):
     out = moe_experts(refs.fp8_fake_quant_ref(x), w, ids.to(torch.int32), w13_q, w13_s, w2_q, w2_s, LIMIT, inter,
                       None, cfg)
     assert refs.rel_err(out, ref) < 1e-2, (acc16, refs.rel_err(out, ref))
+
+
+@pytest.mark.parametrize("warps,pdl", [(2, False), (8, True)])
+def test_moe_w2_rows(warps, pdl):
+    """The row-per-thread-pair w2 GEMV (`moe_gluon`) against the Triton f16 GEMV's contract: D = 352 rows (not a
+    multiple of the 32/128-row tiles), I = 128 (two 8-word steps), 3 tokens over 8 experts, expert shared by two
+    pairs, into a non-zero output."""
+    from dsflash.plugins.moe import MoeConfig, as_layout, gemv_w13, gemv_w2
+    e, d, inter, topk = 8, 352, 128, 3
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
+    w2_q, w2_s = _mx(e, d, inter, gen)
+    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    x = _x(3, 500)[:, :d].contiguous()
+    ids = torch.tensor([[0, 5, 7], [5, 1, 2], [3, 4, 6]], dtype=torch.int32, device=DEV)
+    w = torch.rand(3, topk, device=DEV, generator=gen)
+    shared = torch.randn(3, d, device=DEV, generator=gen)
+    ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, inter), w2_q, w2_s, LIMIT, inter, shared)
+    base = MoeConfig(True, 32, 64, 64, 64, 4, 3, 16, 4, 1, 1, True)
+    cfg = dataclasses.replace(base, rows2=True, warps2=warps, pdl=pdl)
+    hp = gemv_w13(as_layout(refs.fp8_fake_quant_ref(x), "gemv16"), w, ids, w13_q, w13_s, inter, LIMIT, cfg)
+    out = gemv_w2(hp, ids, w2_q, w2_s, shared.clone(), cfg)
+    tri = gemv_w2(hp, ids, w2_q, w2_s, shared.clone(), base)
+    assert refs.rel_err(out, tri) < 1e-5, refs.rel_err(out, tri)
+    assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
