@@ -18,7 +18,8 @@ Pipeline (five launches, no host sync, CUDA-graph capturable):
    expert's output (so the weighted reduction over experts and the shared-expert add are one pass).
 
 Decode (T·k <= 2E): steps 3-5 are replaced by two CUDA-core GEMVs, one (token, expert) pair per program
-(`_moe_w13_gemv_kernel` with the same epilogue, `_moe_w2_gemv_kernel` adding atomically). The default
+(`_moe_w13_gemv_kernel` with the same epilogue, which also writes the output's starting value, `_moe_w2_gemv_kernel`
+adding atomically; for a short intermediate, one TP8 rank, w2 is `moe_gluon`'s row-per-thread kernel). The default
 (`MoeConfig.acc16`) sums each 32-block's exact products as packed f16x2 FMAs and promotes once per block to fp32
 (`_mx_gemv16_step`): ~2.5 instead of ~4.6 instructions per weight element, 64-89 % of copy bandwidth at TP1 on the
 H200 (benchmarks/README.md, "Session 3"). Its only difference from the fp32 path is the f16 rounding of the running
@@ -503,15 +504,18 @@ def _pair_perm16(n, N):
 
 @triton.jit
 def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
+                         out_ptr, sh_ptr, D_OUT, stride_o, stride_sh,
                          N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                         ACC16: tl.constexpr):
+                         ACC16: tl.constexpr, INIT_OUT: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
     and the last program of the tile to arrive (acq_rel counter, reset by it) sums them in slice order and runs
     the epilogue. ACC16: the activation is in the f16-code layout (xp codes, xs block scales) and so is h (hp, hs),
-    the f16-accumulating GEMV (`_mx_gemv16_step`)."""
+    the f16-accumulating GEMV (`_mx_gemv16_step`). INIT_OUT (1: zeros, 2: the shared expert's output sh): the
+    programs of each token's first pair also write out [T, D_OUT] fp32, the buffer the w2 GEMV adds into, so the
+    MoE needs no separate launch for it."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -519,6 +523,10 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     gdc_launch_dependents()
     e = tl.load(ids_ptr + p).to(tl.int64)
     t = p // TOPK
+    if INIT_OUT > 0:
+        if p % TOPK == 0:
+            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
+                            tl.num_programs(1) * SPLIT, INIT_OUT == 2)
     BW: tl.constexpr = BLOCK_K // 8
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     r = tl.arange(0, 2 * BLOCK_N)
@@ -536,6 +544,22 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
             tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
             _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
+
+
+@triton.jit
+def _init_out_share(out_ptr, sh_ptr, t, D, stride_o, stride_sh, i, n, COPY: tl.constexpr):
+    """Share i of n of row t of out: out[t] = sh[t] as fp32 (COPY), else 0."""
+    BLOCK: tl.constexpr = 256
+    per = tl.cdiv(tl.cdiv(D, n), BLOCK) * BLOCK
+    lo = i * per
+    hi = tl.minimum(lo + per, D)
+    for c in tl.range(lo, hi, BLOCK):
+        o = c + tl.arange(0, BLOCK)
+        if COPY:
+            v = tl.load(sh_ptr + t * stride_sh + o, mask=o < hi, other=0.0).to(tl.float32)
+        else:
+            v = tl.zeros([BLOCK], dtype=tl.float32)
+        tl.store(out_ptr + t * stride_o + o, v, mask=o < hi)
 
 
 @triton.jit
@@ -741,10 +765,12 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
 
 
 def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
-             inter: int, swiglu_limit: float, cfg: MoeConfig):
+             inter: int, swiglu_limit: float, cfg: MoeConfig, out: torch.Tensor | None = None,
+             shared: torch.Tensor | None = None):
     """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
     [T·k, I_pad] (pair-permuted ×2^6), or (acc16) f16 codes [T·k, 2, I_pad/8, 4] + block scales [T·k, I_pad/32].
-    xp: the activation in `cfg.xq_layout`."""
+    xp: the activation in `cfg.xq_layout`. With out (fp32 [T, D]) the same launch also sets out to the shared
+    expert's output `shared` ([T, D], any float dtype), or to 0 without it."""
     codes, xs = xp if cfg.acc16 else (xp, xp)
     p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2
@@ -763,11 +789,19 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=codes.device) \
         if split > 1 else hq
     cnt = split_counter(codes.device, p * n_tiles, "moe_w13") if split > 1 else ids
+    init = 0 if out is None else (1 if shared is None else 2)
+    if out is not None:
+        t = ids.shape[0]
+        assert out.dtype == torch.float32 and out.shape == (t, d) and out.stride(1) == 1, (out.dtype, tuple(out.shape))
+        assert shared is None or (shared.shape == (t, d) and shared.stride(1) == 1), tuple(shared.shape)
+    o = hq if out is None else out
+    sh = o if shared is None else shared
     _moe_w13_gemv_kernel[(p, n_tiles, split)](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
+        o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
-        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, num_warps=cfg.warps,
-        launch_pdl=cfg.pdl)
+        BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, INIT_OUT=init,
+        num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
 
 
@@ -828,6 +862,12 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     cfg = config or lookup(t, topk, e, ipad, d)
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
+    if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
+        out = torch.empty((t, d), dtype=torch.float32, device=dev)
+        sh = None if shared is None else (shared if shared.stride(1) == 1 else shared.contiguous())
+        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh)
+        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
+    if shared is not None:
         out = shared.to(torch.float32, copy=True).contiguous()
     else:
         out = torch.zeros((t, d), dtype=torch.float32, device=dev)
@@ -835,9 +875,6 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         return out
     p = t * topk
     xq = as_layout(xq, cfg.xq_layout)
-    if cfg.gemv:
-        hp = gemv_w13(xq, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg)
-        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
     assert d % cfg.bk13 == 0 and ipad % cfg.bk2 == 0 and cfg.bn13 % 32 == 0, (cfg, d, ipad)
     sorted_ids, off = moe_align(ids, e, cfg.block_m)
     nblk = sorted_ids.numel() // cfg.block_m
