@@ -1,7 +1,6 @@
 """K-slice sweep of the mHC coefficients (`hc_mix`, D 5120): the projection kernel alone and projection + epilogue
-back to back, and the two in one launch (FUSED), timed in CUDA graphs, per token count and slice count, each
-checked against `hc_mix_ref`. What `hc_mix_tiles` picks for small T comes from this output
-(`benchmarks/mhc_s8_h200.json`, "split_sweep").
+back to back, timed in CUDA graphs, per token count and slice count, each checked against `hc_mix_ref`. What
+`hc_mix_tiles` picks for small T comes from this output (`benchmarks/mhc_s8_h200.json`, "split_sweep").
 
     python3 benchmarks/hc_mix_sweep.py --out hc_mix_sweep.json [--ts 1,8,64] [--splits 32,64,128,160]
 
@@ -17,7 +16,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins import mhc, refs
-from dsflash.plugins.splitk import split_counter
 from dsflash.plugins.timing import graph_time_us
 
 DEV = "cuda"
@@ -48,13 +46,10 @@ def main() -> None:
         for split in [int(v) for v in args.splits.split(",")]:
             ws = torch.empty((split, t, mhc.NMIX_PAD), device=DEV)
 
-            cnt = split_counter(torch.device(DEV), triton.cdiv(t, bt), "hc_mix_sweep")
-
-            def proj(i: int, split=split, ws=ws, fused=False) -> None:
+            def proj(i: int, split=split, ws=ws) -> None:
                 mhc._hc_mix_proj_kernel[(triton.cdiv(t, bt), split)](
-                    xds[i], hd, ws, t, k, ws.stride(0), cnt, base, scale, pre, post, comb, 1e-6, 1e-20, 20,
-                    SPLIT=split, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=4, FUSED=fused,
-                    SPLIT_P2=triton.next_power_of_2(split), num_warps=4)
+                    xds[i], hd, ws, t, k, ws.stride(0), SPLIT=split, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=4,
+                    num_warps=4)
 
             def epi(warps: int, split=split, ws=ws) -> None:
                 mhc._hc_mix_epilogue_kernel[(t,)](
@@ -64,19 +59,14 @@ def main() -> None:
             r = {"T": t, "bk": bk, "split": split,
                  "proj": graph_time_us([lambda i=i: proj(i) for i in range(4)])[0],
                  "both": graph_time_us([lambda i=i: (proj(i), epi(4)) for i in range(4)])[0],
-                 "both_w1": graph_time_us([lambda i=i: (proj(i), epi(1)) for i in range(4)])[0],
-                 "fused": graph_time_us([lambda i=i: proj(i, fused=True) for i in range(4)])[0]}
+                 "both_w1": graph_time_us([lambda i=i: (proj(i), epi(1)) for i in range(4)])[0]}
             proj(0)
             epi(4)
             torch.cuda.synchronize()
             r["err"] = max(refs.rel_err(a, b) for a, b in zip((pre, post, comb), want))
-            proj(0, fused=True)
-            torch.cuda.synchronize()
-            r["err_fused"] = max(refs.rel_err(a, b) for a, b in zip((pre, post, comb), want))
             rows.append(r)
             print(f"T={t:5d} split={split:4d}  proj {r['proj']:6.2f}  proj+epilogue {r['both']:6.2f} "
-                  f"(1-warp epilogue {r['both_w1']:6.2f})  one launch {r['fused']:6.2f} µs  err {r['err']:.1e} "
-                  f"/ {r['err_fused']:.1e}", flush=True)
+                  f"(1-warp epilogue {r['both_w1']:6.2f}) µs  err {r['err']:.1e}", flush=True)
     json.dump({"rows": rows}, open(args.out, "w"), indent=1)
 
 

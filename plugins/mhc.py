@@ -20,14 +20,13 @@ from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.act_quant import _div, _quant_g32, _rsqrt_mean, _store_q_scale
-from dsflash.plugins.splitk import k_slices, split_counter
+from dsflash.plugins.splitk import k_slices
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, hc_mix_ref, hc_post_ref, hc_pre_ref, hc_split_weight)
 
 NS = 4  # hc_mult
 NMIX = (2 + NS) * NS  # 24 logits
 NMIX_PAD = 32
-FUSED_MAX_T = 2  # hc_mix runs its epilogue in the projection's last-arriving program up to this many tokens
 
 
 # -- row kernels: collapse / expand / norm / quant --------------------------------------------------------------------
@@ -233,15 +232,11 @@ def _hc_mix_proj_kernel(
     x_desc, h_desc, ws_ptr,
     T, K,
     stride_ws,
-    cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, norm_eps, ITERS,
-    SPLIT, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
+    SPLIT, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Partial rows ws[split, t, 0:32] over a K slice: columns 0-23 Σ_k x[t,k]·(h0+h1+h2)[r,k], column 31 Σ_k x[t,k]²
     (the weight's padding rows 24-31 are not read back). x and the three weight terms arrive by TMA; each term is one
-    BF16 MMA into the same fp32 accumulator. FUSED (a few tokens): the tile's last slice to arrive (acq_rel counter,
-    reset by it) runs the epilogue (`_hc_mix_finish`) for each of the tile's tokens, so the coefficients take one
-    launch."""
+    BF16 MMA into the same fp32 accumulator."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -266,14 +261,6 @@ def _hc_mix_proj_kernel(
         acc = tl.dot(x, h0.T, acc)
     part = tl.where(rr[None, :] == 31, sq[:, None], acc)
     tl.store(ws_ptr + pid_s * stride_ws + offs_t[:, None] * 32 + rr[None, :], part, mask=mask_t[:, None])
-    if FUSED:
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            for i in range(tl.minimum(BLOCK_T, T - pid_t * BLOCK_T)):
-                _hc_mix_finish(ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                               (pid_t * BLOCK_T + i).to(tl.int64), K, stride_ws, hc_eps, norm_eps, SPLIT, ITERS,
-                               SPLIT_P2)
-            tl.atomic_xchg(cnt_ptr + pid_t, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -309,19 +296,11 @@ def _hc_mix_epilogue_kernel(
     hc_eps, norm_eps,
     SPLIT, ITERS, SPLIT_P2: tl.constexpr,
 ):
-    """One token per program: `_hc_mix_finish`."""
-    _hc_mix_finish(ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0).to(tl.int64), K,
-                   stride_ws, hc_eps, norm_eps, SPLIT, ITERS, SPLIT_P2)
-
-
-@triton.jit
-def _hc_mix_finish(ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t, K, stride_ws, hc_eps, norm_eps,
-                   SPLIT, ITERS, SPLIT_P2: tl.constexpr):
-    """The coefficients of token t from its SPLIT partial rows: summed in one masked load and one reduction and
+    """One token per program. The SPLIT partial rows of the token are summed in one masked load and one reduction and
     written back over ws[0, t]; re-read as 25 scalars, the rsqrt, sigmoids, softmax and Sinkhorn iterations then run
     on per-thread scalars, with no cross-thread reduction. (A [tokens, 4, 4] tile instead spends ~0.35 µs per Sinkhorn
-    iteration in cross-warp reductions: H200, session 8.) The partials are read past L1 (.cg): in the fused launch
-    other programs wrote them."""
+    iteration in cross-warp reductions: H200, session 8.)"""
+    t = tl.program_id(0).to(tl.int64)
     # the constants first, so that their loads overlap the partials' (the barriers below keep loads from moving)
     s0 = tl.load(scale_ptr + 0)
     s1 = tl.load(scale_ptr + 1)
@@ -332,8 +311,7 @@ def _hc_mix_finish(ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t, 
     sp = tl.arange(0, SPLIT_P2)
     col = tl.arange(0, 32)
     row = ws_ptr + t * 32
-    tot = tl.sum(tl.load(row + sp[:, None] * stride_ws + col[None, :], mask=(sp < SPLIT)[:, None], other=0.0,
-                         cache_modifier=".cg"), axis=0)
+    tot = tl.sum(tl.load(row + sp[:, None] * stride_ws + col[None, :], mask=(sp < SPLIT)[:, None], other=0.0), axis=0)
     tl.debug_barrier()          # every thread's loads of ws[0, t] are done before it is overwritten
     tl.store(row + col, tot)
     tl.debug_barrier()          # and the sums are visible to every thread of the program
@@ -484,20 +462,14 @@ def hc_mix(xflat: torch.Tensor, h: torch.Tensor, base: torch.Tensor, scale: torc
     ws = torch.empty((split, t, NMIX_PAD), dtype=torch.float32, device=dev)
     x_desc = TensorDescriptor(xflat, [t, k], [xflat.stride(0), 1], [bt, bk])
     h_desc = TensorDescriptor(h.view(3 * NMIX_PAD, k), [3 * NMIX_PAD, k], [k, 1], [NMIX_PAD, bk])
-    tiles = triton.cdiv(t, bt)
-    fused = t <= FUSED_MAX_T and split > 1
-    cnt = split_counter(dev, tiles, "hc_mix") if fused else ws
-    _hc_mix_proj_kernel[(tiles, split)](
+    _hc_mix_proj_kernel[(triton.cdiv(t, bt), split)](
         x_desc, h_desc, ws,
         t, k,
         ws.stride(0),
-        cnt, base, scale, pre, post, comb, float(hc_eps), float(norm_eps), iters,
-        SPLIT=split, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=4, FUSED=fused, SPLIT_P2=triton.next_power_of_2(split),
-        num_warps=4)
-    if not fused:
-        _hc_mix_epilogue_kernel[(t,)](
-            ws, base, scale, pre, post, comb,
-            k, ws.stride(0),
-            float(hc_eps), float(norm_eps),
-            SPLIT=split, ITERS=iters, SPLIT_P2=triton.next_power_of_2(split), num_warps=4 if split > 8 else 1)
+        SPLIT=split, BLOCK_T=bt, BLOCK_K=bk, NUM_STAGES=4, num_warps=4)
+    _hc_mix_epilogue_kernel[(t,)](
+        ws, base, scale, pre, post, comb,
+        k, ws.stride(0),
+        float(hc_eps), float(norm_eps),
+        SPLIT=split, ITERS=iters, SPLIT_P2=triton.next_power_of_2(split), num_warps=4 if split > 8 else 1)
     return pre, post, comb

@@ -26,7 +26,7 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 8, 64, 257])
+@pytest.mark.parametrize("t", [1, 3, 8, 64, 257])
 @pytest.mark.parametrize("d", [256, 5120])
 def test_hc_mix(t, d):
     from dsflash.plugins.mhc import hc_mix
@@ -37,36 +37,6 @@ def test_hc_mix(t, d):
     for name, g, w in zip(("pre", "post", "comb"), got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape, name
         assert refs.rel_err(g, w) < 1e-5, (name, refs.rel_err(g, w))
-
-
-@pytest.mark.parametrize("t", [1, 2])
-def test_hc_mix_one_launch_repeats_and_replays(t):
-    """Up to FUSED_MAX_T tokens the last K slice to arrive runs the epilogue: its counter must be back at zero for
-    the next call and for every replay of a captured graph."""
-    from dsflash.plugins.mhc import FUSED_MAX_T, hc_mix
-    assert t <= FUSED_MAX_T
-    d = 5120
-    _, fn, base, scale = _site(t, d)
-    h = refs.hc_split_weight(fn)
-
-    def check(xflat, got):
-        for g, w in zip(got, refs.hc_mix_ref(xflat, fn, base, scale, 4, 20, 1e-6, 1e-20)):
-            assert refs.rel_err(g, w) < 1e-5, refs.rel_err(g, w)
-
-    xs = [_site(t, d)[0].flatten(1) for _ in range(3)]
-    for x in xs:
-        check(x, hc_mix(x, h, base, scale, 20, 1e-6, 1e-20))
-    static = xs[0].clone()
-    hc_mix(static, h, base, scale, 20, 1e-6, 1e-20)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = hc_mix(static, h, base, scale, 20, 1e-6, 1e-20)
-    for x in xs[1:]:
-        static.copy_(x)
-        g.replay()
-        torch.cuda.synchronize()
-        check(x, out)
 
 
 @pytest.mark.parametrize("t", [1, 3, 257])
