@@ -12,6 +12,7 @@ CKPT ?=
 TP ?=
 ARCH ?=
 ENGINE ?=
+SHARD ?=
 ARGS ?=
 
 .DEFAULT_GOAL := test
@@ -31,7 +32,7 @@ test: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests -m "not gpu" $(ARGS)
 
 test-gpu: $(VENV)/.stamp
-	$(VENV)/bin/pytest -q tests -m gpu $(ARGS)
+	$(VENV)/bin/pytest -q tests -m gpu $(if $(SHARD),--shard $(SHARD)) $(ARGS)
 
 convert: $(VENV)/.stamp
 	$(DSFLASH) convert $(if $(HF),--hf $(HF)) $(if $(OUT),--out $(OUT)) $(if $(LAYOUT),--layout $(LAYOUT)) $(ARGS)

@@ -21,6 +21,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait
 from dsflash.plugins.moe import _MX_DOT32H_ASM
 from dsflash.plugins.moe_config import rows_fit
 from dsflash.plugins.tl_helpers import e8m0_to_f32, split4
@@ -53,15 +54,14 @@ def _moe_w2_rows_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, TOP
     grow = gl.expand_dims(e * N + rows, 1)                               # [ROWS, 1] global row
     w_at = w2_ptr + grow * K8 + gl.expand_dims(cols, 0)
     s_at = s2_ptr + grow * KB + gl.expand_dims(cols // 4, 0)
+    # a thread's 4 scale entries of a step are one byte (its block's): the compiler keeps one of the 4 loads
     words = ()
     scales = ()
     for c in gl.static_range(K8 // 8):
         words = words + (gl.load(w_at + 8 * c, mask=row_ok, other=0), )
         scales = scales + (gl.load(s_at + 2 * c, mask=row_ok, other=0), )
     if PDL:   # h is the previous kernel's output: wait for it only now
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _grid_dependency_wait()
     # h and its block scales, staged in shared memory once per program: each block then reads them at shared-memory
     # latency instead of making K/64 dependent global round trips
     NX: gl.constexpr = triton.next_power_of_2(2 * K8)
@@ -75,8 +75,7 @@ def _moe_w2_rows_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, TOP
     xs_s.store(gl.load(hs_ptr + p.to(gl.int64) * KB + i // 4, mask=i < K8, other=0.0))
     gl.thread_barrier()
     step_l: gl.constexpr = gl.SliceLayout(0, lay)
-    acc = gl.zeros([ROWS, 8], gl.float32, lay)
-    acc0, _, _, _ = _pairs4(acc)
+    acc0, _, _, _ = _pairs4(gl.zeros([ROWS, 8], gl.float32, lay))   # zeros in the layout the split gives
     for c in gl.static_range(K8 // 8):
         w = words[c]
         xl, _ = gl.broadcast(gl.expand_dims(x_s.slice(8 * c, 8).load(step_l), 0), w)

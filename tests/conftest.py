@@ -1,4 +1,4 @@
-"""Shared test setup: fixed seeds, and `gpu`-marked tests skipped on machines without CUDA."""
+"""Shared test setup: fixed seeds, `gpu`-marked tests skipped on machines without CUDA, and `--shard I/N`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,30 @@ def seed() -> int:
     return value
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only slice I of N (1-based) of the collected tests, dealt round robin in collection "
+                          "order: `make test-gpu SHARD=1/4` and so on, so that each run fits a time-limited job")
+
+
+def _shard(spec: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard expects I/N with integers, got {spec!r}") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {spec}: I must be in 1..N")
+    return i, n
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spec = config.getoption("--shard")
+    if spec:
+        i, n = _shard(spec)
+        drop = [item for k, item in enumerate(items) if k % n != i - 1]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for k, item in enumerate(items) if k % n == i - 1]
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
