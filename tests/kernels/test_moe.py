@@ -214,6 +214,13 @@ def test_moe_cuda_graph_and_registry(experts, gate):
     assert ids.shape == (1, TOPK) and ids.dtype == torch.int32
 
 
+def _small_experts(e: int, d: int, inter: int, gen: torch.Generator):
+    """Stacked w13 [E, 2·I, D/2] and w2 [E, D, I/2] MXFP4 codes with their e8m0 scales."""
+    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
+    w2_q, w2_s = _mx(e, d, inter, gen)
+    return w13_q, w13_s.view(refs.E8M0), w2_q, w2_s.view(refs.E8M0)
+
+
 @pytest.mark.parametrize("acc16", [False, True])
 def test_moe_gemv_uneven_tiles(acc16):
     """Decode GEMVs whose tiles do not divide the shapes (masked loads): D = 352, I = 96 with 64-row / 128-K
@@ -221,9 +228,7 @@ def test_moe_gemv_uneven_tiles(acc16):
     from dsflash.plugins.moe import MoeConfig, moe_experts
     e, d, inter, topk = 8, 352, 96, 3
     gen = torch.Generator(device=DEV).manual_seed(7)
-    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
-    w2_q, w2_s = _mx(e, d, inter, gen)
-    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, inter, gen)
     x = _x(3, 400)[:, :d].contiguous()
     ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:topk] for _ in range(3)])
     w = torch.rand(3, topk, device=DEV, generator=gen)
@@ -242,9 +247,7 @@ def test_moe_w2_rows(warps, pdl):
     from dsflash.plugins.moe import MoeConfig, as_layout, gemv_w13, gemv_w2
     e, d, inter, topk = 8, 352, 128, 3
     gen = torch.Generator(device=DEV).manual_seed(11)
-    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
-    w2_q, w2_s = _mx(e, d, inter, gen)
-    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, inter, gen)
     x = _x(3, 500)[:, :d].contiguous()
     ids = torch.tensor([[0, 5, 7], [5, 1, 2], [3, 4, 6]], dtype=torch.int32, device=DEV)
     w = torch.rand(3, topk, device=DEV, generator=gen)
