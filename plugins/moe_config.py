@@ -97,6 +97,14 @@ def _div(n: int, want: int, floor: int) -> int:
     return b
 
 
+def _triton_gemv_default(t: int, topk: int, inter: int, dim: int) -> MoeConfig:
+    """The decode default with both GEMVs in Triton (see `default_moe_config`)."""
+    bk13 = _div(dim, 256, 32)
+    if inter >= 1024:
+        return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
+    return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+
+
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
     """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
     H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
@@ -106,10 +114,7 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) 
     Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48
     tokens)."""
     if t * topk <= 2 * n_experts:
-        bk13 = _div(dim, 256, 32)
-        if inter >= 1024:
-            return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
-        cfg = _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+        cfg = _triton_gemv_default(t, topk, inter, dim)
         return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1, pdl=True) if rows_fit(inter) else cfg
     avg = t * topk / max(1, n_experts)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
@@ -127,7 +132,7 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
     d = first
     if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
         out += [dataclasses.replace(first, warps2=w) for w in (2, 8)] + [dataclasses.replace(first, pdl=False)]
-        d = dataclasses.replace(first, rows2=False, warps2=gemv_warps(first.bn2, first.bk2), split2=2, pdl=False)
+        d = _triton_gemv_default(t, topk, inter, dim)
         out.append(d)
     if d.gemv:
         out.append(dataclasses.replace(d, pdl=not d.pdl))

@@ -38,10 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     spec = config.getoption("--shard")
     if spec:
         i, n = _shard(spec)
-        drop = [item for k, item in enumerate(items) if k % n != i - 1]
+        keep, drop = items[i - 1::n], [item for k, item in enumerate(items) if k % n != i - 1]
         if drop:
             config.hook.pytest_deselected(items=drop)
-            items[:] = [item for k, item in enumerate(items) if k % n == i - 1]
+            items[:] = keep
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
