@@ -69,11 +69,12 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
             bound["gemm"] += 1
     if plugins.get("moe") == "mxfp4":
         bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size)
-    if plugins.get("mhc") == "fused":
+    if plugins.get("mhc") in ("fused", "fused_overlap"):
         for name, mod in model.named_modules():
             if hasattr(mod, "hc_plugin"):
                 with torch.no_grad():
-                    mod.hc_plugin = dispatch.FusedHC(hc_split_weight(mod.hc_attn_fn), hc_split_weight(mod.hc_ffn_fn))
+                    mod.hc_plugin = dispatch.FusedHC(hc_split_weight(mod.hc_attn_fn), hc_split_weight(mod.hc_ffn_fn),
+                                                     overlap=plugins["mhc"] == "fused_overlap")
                 bound["mhc"] += 1
     if plugins.get("norm") == "fused":
         for mod in model.modules():

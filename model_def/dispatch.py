@@ -22,7 +22,9 @@ REFERENCE = "reference"
 PLUGIN_IMPLS = {
     "gemm": (REFERENCE, "fp8_gemm"),     # group-32 FP8 dense linears: FP8 GEMM or BF16-cache GEMM, per tuned.json
     "moe": (REFERENCE, "mxfp4"),         # router + MXFP4 routed experts + shared-expert add
-    "mhc": (REFERENCE, "fused"),         # mHC coefficients, collapse + norm, expand (+ next collapse + norm)
+    # mHC coefficients, collapse + norm, expand (+ next collapse + norm); `fused_overlap` also computes each site's
+    # coefficients on a second CUDA stream while the attention or MoE runs (seed post §3.1)
+    "mhc": (REFERENCE, "fused", "fused_overlap"),
     "wo_a": (REFERENCE, "fused"),        # inverse RoPE + grouped output projection
     "norm": (REFERENCE, "fused"),        # RMSNorm in one kernel (q_norm, kv_norm, k_norm, the final norm, ...)
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
@@ -100,12 +102,54 @@ class MXFP4MoE(nn.Module):
 
 class FusedHC(nn.Module):
     """Plugin of a block's two mHC sites: the fp32 mixing weights split into BF16 main + two correction terms
-    ([3, 32, n·D], `hc_split_weight`) for the tensor-core coefficient kernel."""
+    ([3, 32, n·D], `hc_split_weight`) for the tensor-core coefficient kernel. `overlap`: compute a site's
+    coefficients on the device's side stream (`Forked`) while the attention or MoE runs on the current one (the
+    coefficient kernels share no split-K counter with any other kernel, so they may run concurrently)."""
 
-    def __init__(self, attn_split: torch.Tensor, ffn_split: torch.Tensor):
+    def __init__(self, attn_split: torch.Tensor, ffn_split: torch.Tensor, overlap: bool = False):
         super().__init__()
         self.register_buffer("attn_split", attn_split.contiguous())
         self.register_buffer("ffn_split", ffn_split.contiguous())
+        self.overlap = overlap
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The second stream of a CUDA device that off-critical-path work runs on (one per device, made on first use);
+    None on the CPU, where `Forked` runs inline."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _side_streams:
+        _side_streams[idx] = torch.cuda.Stream(device=idx)
+    return _side_streams[idx]
+
+
+class Forked:
+    """`fn(*args)` started on `stream` behind everything queued so far on the current stream; `join()` makes the
+    current stream wait for it and returns its result. With `stream` None it runs inline.
+
+    Inside CUDA-graph capture the fork and the join become the graph's branch and merge. Memory: the result is
+    allocated on `stream`, and the caching allocator hands its blocks only to later allocations on `stream`; each of
+    those follows a fork, i.e. a wait for the current stream's work so far, so a block is never rewritten while the
+    current stream may still read it. The caller keeps `args` alive until `join()`."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, fn, *args):
+        self._stream = stream
+        if stream is None:
+            self._out = fn(*args)
+            return
+        self._main = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(self._main)
+        with torch.cuda.stream(stream):
+            self._out = fn(*args)
+
+    def join(self):
+        if self._stream is not None:
+            self._main.wait_stream(self._stream)
+        return self._out
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,22 +234,27 @@ class Block(nn.Module):
 
     def _forward_fused_hc(self, X, pre, attend, image_mask):
         """The same block with the mHC plugin: coefficients, collapse + norm, and the attention site's expand fused
-        with the FFN site's (lagged) collapse + norm."""
+        with the FFN site's (lagged) collapse + norm. A site's coefficients are needed only by its expand, so with
+        `overlap` they run on a side stream while the attention or MoE runs; the collapse + norm are queued first,
+        so the attention or MoE starts at once instead of competing with the coefficient kernels for the SMs."""
         op, hc = dispatch.ops(), self.hc_plugin
         b, s, n, d = X.shape
         Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
+        side = dispatch.side_stream(Xf.device) if hc.overlap else None
 
         def mix(Xt, site):
             return op.hc_mix(Xt.view(b * s, n * d), getattr(self, f"hc_{site}_fn"), getattr(hc, f"{site}_split"),
                              getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters,
                              self.hc_eps, self.norm_eps)
 
-        a_pre, a_post, a_comb = mix(Xf, "attn")
         x = op.hc_pre(Xf, pre.reshape(b * s, n).float().contiguous(), self.attn_norm.weight, self.norm_eps)
+        coeff = dispatch.Forked(side, mix, Xf, "attn")
         fx = attend(x.view(b, s, d).to(X.dtype)).reshape(b * s, d).to(torch.bfloat16).contiguous()
+        a_pre, a_post, a_comb = coeff.join()
         Xf, x = op.hc_post_pre(Xf, fx, a_post, a_comb, a_pre, self.ffn_norm.weight, self.norm_eps)
-        f_pre, f_post, f_comb = mix(Xf, "ffn")
+        coeff = dispatch.Forked(side, mix, Xf, "ffn")
         fx = self.ffn(x.view(b, s, d).to(X.dtype), image_mask).reshape(b * s, d).to(torch.bfloat16).contiguous()
+        f_pre, f_post, f_comb = coeff.join()
         Xf = op.hc_post(Xf, fx, f_post, f_comb)
         return Xf.view(b, s, n, d).to(X.dtype), f_pre.view(b, s, n)
 

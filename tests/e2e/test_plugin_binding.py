@@ -47,7 +47,8 @@ class PartialSums:
 def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
-    assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4" and sm90["mhc"] == "fused" and sm90["wo_a"] == "fused"
+    assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4" and sm90["mhc"] == "fused_overlap"
+    assert sm90["wo_a"] == "fused"
     assert sm90["norm"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
     with pytest.raises(ValueError, match="not a plugin op"):
@@ -67,6 +68,7 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     from dsflash.model_def.layers import RMSNorm
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert f"'norm': {len(norms)}" in bound and all(m.plugin is not None for m in norms)
+    assert all(m.hc_plugin.overlap for m in model.modules() if hasattr(m, "hc_plugin"))   # inline on the CPU
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}

@@ -1,0 +1,275 @@
+"""mHC coefficients on a side stream (`mhc` plugin `fused_overlap`) against the serial order (`fused`), GPU.
+
+One decode step of `--layers` full-size V4.1-Flash blocks of one TP8 rank (TP8/EP1: 384 experts of 288, padded to
+320; shared expert 288; 8 heads), dummy weights generated in place, the model's own `Block` code with the plugins
+bound: mHC (`hc_mix` + `hc_pre` + `hc_post_pre` + `hc_post`), the MoE op (router + MXFP4 experts) with the shared
+expert's FP8 linears, the norms. The attention site runs the attention's projections on their plugins (wq_a →
+q_norm → wq_b, wkv → kv_norm, WO-A with inverse RoPE, wo_b); its core (a reference op in this repo, not graph-safe)
+is left out, so the attention site here is shorter than a real one and the overlap has less to hide behind.
+The step is captured in one CUDA graph per order and per token count T; the two graphs are replayed alternately.
+Also timed: `hc_mix` alone (what the overlap can hide, two per layer). Prints a table, writes `--out` JSON.
+
+    python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+
+from dsflash.model_def import dispatch, get_preset
+from dsflash.model_def.csa2 import layer_inv_freq
+from dsflash.model_def.layers import LocalComm, Numerics, RMSNorm
+from dsflash.model_def.mapping import Mapping
+from dsflash.model_def.v41 import Block
+
+DEV = "cuda"
+TP = 8
+RERUNS = 4    # replays of each order compared against the first serial one
+
+
+def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
+    """Random e4m3 codes + e8m0 32×32 block scales of the linear's (local) shape."""
+    n, k = lin.weight.shape
+    w_q = (torch.randn(n, k, device=DEV, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_s = torch.randint(117, 121, (-(-n // 32), k // 32), dtype=torch.uint8, device=DEV, generator=g)
+    return dispatch.FP8Linear(w_q, w_s.view(torch.float8_e8m0fnu), None)
+
+
+def make_block(args, layer: int, seed: int) -> Block:
+    """A TP8-rank block with every plugin bound to dummy weights; the reference experts are dropped."""
+    import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
+    from dsflash.plugins.refs import hc_split_weight
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.device(DEV):
+        blk = Block(args, layer, Numerics("deploy", args.act_block), Mapping(world_size=TP, tp_size=TP, rank=0),
+                    LocalComm(), torch.bfloat16, args.n_routed_experts, args.num_experts_per_tok)
+    moe = blk.ffn
+    moe.experts = torch.nn.ModuleDict()          # the plugin reads the stacked MXFP4 tensors below
+    torch.cuda.empty_cache()
+    d, e = args.hidden_size, args.n_routed_experts
+    inter = args.moe_intermediate_size // TP
+    ipad = -(-inter // 64) * 64
+    with torch.no_grad():
+        k = blk.hc_attn_fn.shape[1]
+        for site in ("attn", "ffn"):
+            getattr(blk, f"hc_{site}_fn").copy_(torch.randn(24, k, device=DEV, generator=g) * k ** -0.5)
+            getattr(blk, f"hc_{site}_base").copy_(torch.randn(24, device=DEV, generator=g) * 0.5)
+            getattr(blk, f"hc_{site}_scale").copy_(torch.rand(3, device=DEV, generator=g) + 0.5)
+        blk.hc_plugin = dispatch.FusedHC(hc_split_weight(blk.hc_attn_fn), hc_split_weight(blk.hc_ffn_fn))
+        for m in blk.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(torch.rand(m.weight.shape, device=DEV, generator=g) + 0.5)
+                m.plugin = dispatch.FusedRMSNorm()
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, device=DEV, generator=g) * 0.02)
+        moe.gate.bias.copy_(torch.randn(e, device=DEV, generator=g) * 0.05)
+        w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=g)
+        w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=g)
+        w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=g)
+        w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=g)
+        for half in (0, ipad):                  # padded columns are zero, as the converter writes them
+            w13_q[:, half + inter:half + ipad] = 0
+        w2_q[:, :, inter // 2:] = 0
+        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s.view(torch.float8_e8m0fnu), w2_q, w2_s.view(torch.float8_e8m0fnu),
+                                       inter, moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit)
+        for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3, blk.attn.wq_a,
+                    blk.attn.wq_b, blk.attn.wkv, blk.attn.wo_b):
+            lin.plugin = _fp8_linear(lin, g)
+        blk.attn.wo_a.weight.copy_(torch.randn(blk.attn.wo_a.weight.shape, device=DEV, generator=g)
+                                   * blk.attn.wo_a.weight.shape[1] ** -0.5)
+    return blk
+
+
+def attention_projections(blk: Block, t: int):
+    """`attend` for the block: the attention's projections on their plugins, its core left out (the core's output
+    has the query's shape, so the query stands in for it; the window KV row joins it so that its GEMM counts)."""
+    a = blk.attn
+    inv = layer_inv_freq(a.args, a.layer, torch.device(DEV))
+    cos, sin = dispatch.rope_cos_sin(torch.arange(t, device=DEV), inv)
+
+    def attend(x):                                          # x [1, T, D]
+        q = a.wq_b(a.q_norm(a.wq_a(x))).view(t, a.n_local, a.head_dim)
+        kv = a.kv_norm(a.wkv(x)).view(t, 1, a.head_dim)
+        z = dispatch.ops().wo_a((q + kv).contiguous(), cos, sin, a.wo_a.weight)
+        return a.wo_b(z.view(1, t, -1))
+    return attend
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):               # warm-up off the capture stream (compiles, tuned-table lookups)
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _alternate_us(graphs: dict, replays: int) -> dict:
+    """Median µs per replay of each graph, replayed in turn so that clock and thermal drift hit all alike."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {k: [] for k in graphs}
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    for _ in range(replays):
+        for k, g in graphs.items():
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            times[k].append(e0.elapsed_time(e1) * 1000)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _kernel_breakdown(graphs: dict, n_layers: int, replays: int = 5) -> dict:
+    """Per order: GPU time per layer of each kernel name in the step (torch profiler over graph replays), largest
+    first; the serial one tells where a layer's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    out = {}
+    for order in ("serial", "overlap"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graphs[order].replay()
+            torch.cuda.synchronize()
+        agg: dict[str, list] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                a = agg.setdefault(ev.name, [0.0, 0])
+                a[0] += ev.device_time
+                a[1] += 1
+        n = replays * n_layers
+        out[order] = sorted(({"name": k, "us": round(v[0] / n, 2), "calls": round(v[1] / n, 2)}
+                             for k, v in agg.items()), key=lambda r: -r["us"])
+    return out
+
+
+def install_tuned(args, blocks: list[Block], max_tokens: int, budget_s: float) -> dict:
+    """Tune the blocks' dense FP8 GEMM shapes and MoE tiles as `build` does for a TP8 engine and install the
+    tables, so that the step runs the configs an engine built on this GPU would (in-kernel activation quantization
+    where it wins, tuned MoE tiles). Returns a summary of what was tuned."""
+    from dsflash.build.engine import default_plugins
+    from dsflash.build.tune import FP8_GEMM, MOE, gemm_table, moe_table, tune
+    from dsflash.plugins import moe_config, tuning
+    inter = args.moe_intermediate_size // TP
+    engine = {"model": args.to_hf_dict(), "mapping": Mapping(world_size=TP, tp_size=TP).to_dict(), "arch": "sm90",
+              "layout": "hf", "plugins": default_plugins("sm90"), "expert_inter_local": inter,
+              "expert_inter_padded": -(-inter // 64) * 64,
+              "build_config": {"max_num_tokens": max_tokens, "tune_budget_s": budget_s}}
+    used = {tuple(m.plugin.w_q.shape) for b in blocks for m in b.modules()
+            if isinstance(getattr(m, "plugin", None), dispatch.FP8Linear)}
+    gemms = dataclasses.replace(FP8_GEMM, buckets=lambda e: [b for b in FP8_GEMM.buckets(e)
+                                                             if (b["n"], b["k"]) in used])
+    tuned = tune(engine, "sm90", [gemms, MOE])
+    tuning.set_table(gemm_table(tuned))
+    moe_config.set_table(moe_table(tuned))
+    return {"entries": len(tuned["entries"]), "skipped": tuned["skipped"],
+            "chosen": {f"{e['op']} {e['bucket']}": e["config"] for e in tuned["entries"]}}
+
+
+def make_blocks(args, n_layers: int) -> list[Block]:
+    layers = [i for i in range(args.n_layers) if i not in args.engram_layer_ids][:n_layers]
+    return [make_block(args, layer, seed) for seed, layer in enumerate(layers)]
+
+
+def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int] = frozenset()) -> list[dict]:
+    n_layers = len(blocks)
+    rows = []
+    for t in ts:
+        g = torch.Generator(device=DEV).manual_seed(100 + t)
+        X = (torch.randn(1, t, 4, args.hidden_size, device=DEV, generator=g) * 2).to(torch.bfloat16)
+        pre = torch.rand(1, t, 4, device=DEV, generator=g) + 0.1
+        attends = [attention_projections(b, t) for b in blocks]
+        outs = {}
+
+        def step(order: str):
+            def fn():
+                Y, p = X, pre
+                for b, att in zip(blocks, attends):
+                    b.hc_plugin.overlap = order == "overlap"
+                    Y, p = b(Y, p, att, None)
+                outs[order] = (Y, p)
+            return fn
+
+        with torch.no_grad():
+            graphs = {order: _capture(step(order)) for order in ("serial", "overlap")}
+            hc, b0 = blocks[0].hc_plugin, blocks[0]
+            xflat = X.view(t, -1)
+
+            def mixes():                       # as many as the step runs, so that the graph launch is amortised
+                for _ in range(2 * n_layers):
+                    dispatch.ops().hc_mix(xflat, b0.hc_attn_fn, hc.attn_split, b0.hc_attn_base, b0.hc_attn_scale,
+                                          b0.iters, b0.hc_eps, b0.norm_eps)
+            graphs["hc_mix"] = _capture(mixes)
+            us = _alternate_us(graphs, replays)
+            us["hc_mix"] /= 2 * n_layers
+            # numerics: the overlap against the serial order, and the serial order against itself (control: the
+            # MoE's atomic reductions make reruns differ where several experts' rows meet, and the deploy
+            # quantizers amplify such last-bit differences over the layers)
+            runs = {}
+            for name, order in [("serial", "serial")] + [(f"{o}{i}", o) for i in range(RERUNS)
+                                                         for o in ("serial_again", "overlap")]:
+                graphs[order.removesuffix("_again")].replay()
+                torch.cuda.synchronize()
+                runs[name] = outs[order.removesuffix("_again")][0].float().clone()
+            kernels = _kernel_breakdown(graphs, n_layers) if t in profile else None
+        rel = max(_rel(runs[f"overlap{i}"], runs["serial"]) for i in range(RERUNS))
+        rerun = max(_rel(runs[f"serial_again{i}"], runs["serial"]) for i in range(RERUNS))
+        ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
+        row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
+               "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
+               "hc_mix_us": round(us["hc_mix"], 2),
+               "hidden_fraction_of_2_hc_mix": round((ser - ovl) / (2 * us["hc_mix"]), 2),
+               "max_rel_diff_overlap_vs_serial": rel, "max_rel_diff_serial_rerun": rerun}
+        if kernels:
+            row["kernels_per_layer"] = kernels
+        rows.append(row)
+        print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
+              f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})", flush=True)
+        if kernels:
+            for k in kernels["serial"][:25]:
+                print(f"    {k['us']:7.2f} µs  {k['calls']:5.2f}×  {k['name'][:110]}")
+        del graphs
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ts", default="1,4,16,64")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--profile", default="1", help="token counts whose step is broken down by kernel ('' = none)")
+    ap.add_argument("--tune-budget-s", type=float, default=180.0,
+                    help="tune the GEMMs and MoE tiles first, as `build` does (0: untuned defaults, logged)")
+    ap.add_argument("--out", default="mhc_overlap_h200.json")
+    a = ap.parse_args(argv)
+    ts = [int(t) for t in a.ts.split(",")]
+    args = get_preset("v41", "full")
+    blocks = make_blocks(args, a.layers)
+    tuned = install_tuned(args, blocks, max(ts), a.tune_budget_s) if a.tune_budget_s > 0 else None
+    rows = run(args, blocks, ts, a.replays, {int(t) for t in a.profile.split(",") if t})
+    print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['T']:>4} {r['serial_us_per_layer']:>16.1f} {r['overlap_us_per_layer']:>9.1f} "
+              f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f}")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "what": "one decode step of full-size V4.1-Flash blocks of a TP8 rank, CUDA graph; attention core left out",
+            "tuned": tuned}
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
