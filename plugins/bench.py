@@ -469,14 +469,16 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
                 nb = nb_w + m * h * WO_A_D * 2 + m * WO_A_RD * 4 + m * nrows * 2
                 flops = 2 * m * nrows * kg
                 best, tried, dflt = None, [], None
-                for c in candidates(m, nrows, kg):
+                arch = dict(arch="sm90" if torch.cuda.get_device_capability() == (9, 0) else None, head_d=WO_A_D,
+                            rd=WO_A_RD)
+                for c in candidates(m, nrows, kg, **arch):
                     out = wo_a(os_[0], *cs[0], ws[0], c)
                     err = refs.rel_err(out, ref)
                     us, how = graph_time_us([lambda i=i, c=c: wo_a(os_[i], *cs[i], ws[i], c) for i in range(n_sets)])
                     tried.append([c.tag(), round(us, 2), err])
                     r = _row("wo_a", shape, m, us, ref_us, nb, flops, ceil, err, timing=how, config=c.tag(),
                              weight_MB=nb_w / 1e6)
-                    if c == default_config(m, nrows, kg):
+                    if c == default_config(m, nrows, kg, **arch):
                         dflt = r
                     if best is None or us < best["us"]:
                         best = r

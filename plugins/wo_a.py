@@ -5,7 +5,9 @@ z[t, g·R + r] = Σ_i W_a[g·R + r, i] · õ[t, g, i], õ = o with the last RD c
 Swap-AB tiles: W_a rows (BLOCK_P of one group) on the MMA's M side, by TMA straight into shared memory; the
 ≤ BLOCK_Q tokens on the N side, loaded, rotated and rounded in registers. Split-K partials go to an fp32 workspace
 and the last program of a tile to arrive (an acq_rel counter, reset by that program, so no memset per call) sums
-them in a fixed order and writes BF16: one launch, deterministic. Imports Triton: load this module lazily.
+them in a fixed order and writes BF16: one launch, deterministic. On sm90 at T <= 8 the default is the Gluon decode
+kernel of `wo_a_gluon` instead (activation slice rotated once per program, weights streamed by a TMA ring: 75-82 % of
+copy bandwidth on TP1's 67 MB W_a). Imports Triton: load this module lazily.
 """
 from __future__ import annotations
 
@@ -66,14 +68,21 @@ def _wo_a_kernel(w_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, ws_ptr, cnt_ptr,
 
 @dataclass(frozen=True)
 class WoAConfig:
+    """Triton tiles, or with `gluon` the decode kernel of `wo_a_gluon` (T <= 8, sm90): `boxes` 64-K boxes per ring
+    stage, `num_stages`, `split_k` K slices (raised to keep a slice within its shared-memory budget), `pdl`."""
     block_p: int = 128
     block_q: int = 16
     block_k: int = 128
     split_k: int = 1
     num_stages: int = 4
     num_warps: int = 4
+    gluon: bool = False
+    boxes: int = 0
+    pdl: bool = False
 
     def tag(self) -> str:
+        if self.gluon:
+            return f"G{self.boxes}x{self.num_stages}s{self.split_k}{'_pdl' if self.pdl else ''}"
         return f"P{self.block_p}Q{self.block_q}K{self.block_k}s{self.split_k}st{self.num_stages}w{self.num_warps}"
 
 
@@ -92,10 +101,26 @@ def _rows_tile(r: int, want: int = 128) -> int:
     return bp
 
 
-def default_config(t: int, rows: int, kg: int, r: int | None = None) -> WoAConfig:
-    """Decode (T <= 16): 128 weight rows × 16 tokens per tile, 128 K per TMA box, 4 stages, split-K up to ~2 programs
-    per SM. Larger T: 64-token tiles with 64 K per box (the pipelined activation, its pair swap and cos/sin then fit
-    3 stages in shared memory)."""
+def _gluon_config(rows: int, kg: int, boxes: int, stages: int, per_sm: float, pdl: bool) -> WoAConfig:
+    """A Gluon decode config whose K split puts about `per_sm` programs of 64 weight rows on every SM."""
+    split = max(1, round(per_sm * NUM_SMS / (rows // 64)))
+    return WoAConfig(64, 8, 64, min(split, kg // (64 * boxes)), stages, 4, gluon=True, boxes=boxes, pdl=pdl)
+
+
+def _gluon_fits(t: int, rows: int, kg: int, r: int | None, head_d: int | None, rd: int | None) -> bool:
+    return (head_d is not None and rd is not None and t <= 8 and (rows if r is None else r) % 64 == 0
+            and kg % 64 == 0 and kg % head_d == 0 and head_d % 64 == 0 and 0 < rd <= 64)
+
+
+def default_config(t: int, rows: int, kg: int, r: int | None = None, arch: str | None = None,
+                   head_d: int | None = None, rd: int | None = None) -> WoAConfig:
+    """On sm90 at T <= 8 (when the heads' RoPE channels fit the kernel's boxes): the Gluon decode kernel, 2 boxes ×
+    2 stages, about 3 programs per SM, PDL (H200, V4.1's TP1 and TP8 shapes at T = 1, 3, 8: within 3 % of the best
+    candidate, 1.6-2.0x the best Triton tile; benchmarks/README.md "Session 10"). Else Triton: decode (T <= 16) 128 weight rows × 16 tokens per tile, 128 K
+    per TMA box, 4 stages, split-K up to ~2 programs per SM; larger T 64-token tiles with 64 K per box (the pipelined
+    activation, its pair swap and cos/sin then fit 3 stages in shared memory)."""
+    if arch == "sm90" and _gluon_fits(t, rows, kg, r, head_d, rd):
+        return _gluon_config(rows, kg, 2, 2, 3.0, True)
     if t <= 16:
         bq, bk, st = 16, (128 if kg % 128 == 0 else 64), 4
     else:
@@ -105,16 +130,29 @@ def default_config(t: int, rows: int, kg: int, r: int | None = None) -> WoAConfi
     return WoAConfig(bp, bq, bk, _split_for(tiles, kg // bk), st, 4)
 
 
-def candidates(t: int, rows: int, kg: int, r: int | None = None) -> list[WoAConfig]:
-    """r: weight rows per group (o_lora_rank; default `rows`): row tiles must divide it."""
+def candidates(t: int, rows: int, kg: int, r: int | None = None, arch: str | None = None,
+               head_d: int | None = None, rd: int | None = None) -> list[WoAConfig]:
+    """r: weight rows per group (o_lora_rank; default `rows`): row tiles must divide it. On sm90 at T <= 8 the Gluon
+    decode rings come first, then the Triton tiles."""
+    out = []
+    if arch == "sm90" and _gluon_fits(t, rows, kg, r, head_d, rd):
+        out += [_gluon_config(rows, kg, b, st, per_sm, pdl) for b, st in ((2, 3), (1, 3), (2, 2), (1, 4))
+                for per_sm in (2.5, 3.0, 4.0) for pdl in (True, False)]
     d = default_config(t, rows, kg, r)
-    out = [d]
+    out.append(d)
     if t <= 16:   # the default holds ~196 KB of shared memory (1 program per SM); these fit 2 per SM
         for bp, bk, st in ((64, 128, 4), (128, 64, 6), (128, 64, 4), (64, 128, 3)):
             if kg % bk == 0 and (rows if r is None else r) % bp == 0:
                 tiles = (rows // bp) * -(-t // d.block_q)
                 out.append(WoAConfig(bp, d.block_q, bk, _split_for(tiles, kg // bk), st, 4))
     return list(dict.fromkeys(out))
+
+
+def _arch(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    from dsflash.plugins.registry import device_arch
+    return device_arch(device)
 
 
 def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
@@ -134,7 +172,12 @@ def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
     assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
     rd = 2 * cos.shape[1]
     assert 0 < rd <= d and rd % 2 == 0
-    cfg = config or default_config(t, rows, kg, r)
+    cfg = config or default_config(t, rows, kg, r, _arch(o.device), d, rd)
+    if cfg.gluon and t > 0:
+        assert _gluon_fits(t, rows, kg, r, d, rd), (cfg.tag(), t, r, kg, d, rd)
+        assert o.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0, "the Gluon WO-A kernel reads o and W_a by TMA"
+        from dsflash.plugins.wo_a_gluon import wo_a_gluon_decode
+        return wo_a_gluon_decode(o, cos, sin, w, r, cfg.boxes, cfg.num_stages, cfg.split_k, cfg.pdl)
     assert r % cfg.block_p == 0 and kg % cfg.block_k == 0, (cfg, r, kg)
     out = torch.empty((t, rows), dtype=torch.bfloat16, device=o.device)
     if t == 0:

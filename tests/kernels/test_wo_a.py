@@ -11,16 +11,16 @@ DEV = "cuda"
 HEAD_D, RD, RANK = 512, 64, 1024
 
 
-def _inv_freq() -> torch.Tensor:
-    return 1.0 / (10000.0 ** (torch.arange(0, RD, 2, dtype=torch.float64) / RD)).float()
+def _inv_freq_of(rd: int) -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)).float()
 
 
-def _case(m: int, h: int, g: int, seed: int):
+def _case(m: int, h: int, g: int, seed: int, head_d: int = HEAD_D, rd: int = RD, rank: int = RANK):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    o = (torch.randn(m, h, HEAD_D, device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    o = (torch.randn(m, h, head_d, device=DEV, generator=gen) * 2).to(torch.bfloat16)
     pos = torch.randint(0, 1 << 20, (m,), device=DEV, generator=gen)
-    cos, sin = refs.rope_cos_sin_ref(pos, _inv_freq().to(DEV))
-    w = (torch.randn(g * RANK, h * HEAD_D // g, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
+    cos, sin = refs.rope_cos_sin_ref(pos, _inv_freq_of(rd).to(DEV))
+    w = (torch.randn(g * rank, h * head_d // g, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     return o, cos, sin, w
 
 
@@ -30,7 +30,9 @@ def test_wo_a_all_candidates(m, h, g):
     from dsflash.plugins.wo_a import candidates, wo_a
     o, cos, sin, w = _case(m, h, g, 7 * m + h)
     ref = refs.wo_a_ref(o, cos, sin, w, torch.float32)
-    for cfg in candidates(m, w.shape[0], w.shape[1]):
+    cands = candidates(m, w.shape[0], w.shape[1], arch="sm90", head_d=HEAD_D, rd=RD)
+    assert any(c.gluon for c in cands) == (m <= 8)
+    for cfg in cands:
         out = wo_a(o, cos, sin, w, cfg)
         err = refs.rel_err(out, ref)
         assert out.dtype == torch.bfloat16 and out.shape == (m, g * RANK) and err < 1e-2, (cfg.tag(), err)
@@ -57,3 +59,31 @@ def test_wo_a_rope_matters_and_graph():
         assert refs.rel_err(out, refs.wo_a_ref(o2, cos, sin, w, torch.float32)) < 1e-2
     from dsflash.plugins import registry  # noqa: F401
     assert torch.equal(torch.ops.dsflash.wo_a(o, cos, sin, w), wo_a(o, cos, sin, w))
+
+
+@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("head_d,rd,h,g,rank", [(128, 32, 6, 2, 64), (256, 64, 12, 3, 192), (512, 64, 3, 1, 128)])
+def test_wo_a_gluon_awkward_shapes(m, head_d, rd, h, g, rank):
+    """The Gluon decode kernel at shapes unlike V4.1's: RoPE narrower than a box, groups of 3-6 heads, slices that
+    start inside a head, a slice longer than one ring, split counts that leave a short last slice."""
+    from dsflash.plugins.wo_a import WoAConfig, wo_a
+    o, cos, sin, w = _case(m, h, g, 11 * m + head_d, head_d, rd, rank)
+    ref = refs.wo_a_ref(o, cos, sin, w, torch.float32)
+    kg = w.shape[1]
+    for boxes, stages, split, pdl in ((1, 2, 1, False), (2, 3, 3, True), (1, 4, 5, False), (2, 2, 64, True)):
+        if kg % (64 * boxes):
+            continue
+        cfg = WoAConfig(64, 8, 64, split, stages, 4, gluon=True, boxes=boxes, pdl=pdl)
+        out = wo_a(o, cos, sin, w, cfg)
+        err = refs.rel_err(out, ref)
+        assert out.shape == (m, g * rank) and err < 1e-2, (cfg.tag(), err)
+        assert torch.equal(wo_a(o, cos, sin, w, cfg), out), cfg.tag()   # deterministic; counters reset
+
+
+def test_wo_a_default_on_sm90_is_the_gluon_kernel():
+    from dsflash.plugins import registry  # noqa: F401
+    from dsflash.plugins.wo_a import default_config, wo_a
+    o, cos, sin, w = _case(4, 8, 1, 9)
+    cfg = default_config(4, w.shape[0], w.shape[1], None, "sm90", HEAD_D, RD)
+    assert cfg.gluon
+    assert torch.equal(torch.ops.dsflash.wo_a(o, cos, sin, w), wo_a(o, cos, sin, w, cfg))
