@@ -116,9 +116,10 @@ def default_config(t: int, rows: int, kg: int, r: int | None = None, arch: str |
                    head_d: int | None = None, rd: int | None = None) -> WoAConfig:
     """On sm90 at T <= 8 (when the heads' RoPE channels fit the kernel's boxes): the Gluon decode kernel, 2 boxes ×
     2 stages, about 3 programs per SM, PDL (H200, V4.1's TP1 and TP8 shapes at T = 1, 3, 8: within 3 % of the best
-    candidate, 1.6-2.0x the best Triton tile; benchmarks/README.md "Session 10"). Else Triton: decode (T <= 16) 128 weight rows × 16 tokens per tile, 128 K
-    per TMA box, 4 stages, split-K up to ~2 programs per SM; larger T 64-token tiles with 64 K per box (the pipelined
-    activation, its pair swap and cos/sin then fit 3 stages in shared memory)."""
+    candidate, 1.6-2.0x the best Triton tile; benchmarks/README.md "Session 10"). Else Triton: decode (T <= 16)
+    128 weight rows × 16 tokens per tile, 128 K per TMA box, 4 stages, split-K up to ~2 programs per SM; larger T
+    64-token tiles with 64 K per box (the pipelined activation, its pair swap and cos/sin then fit 3 stages in shared
+    memory)."""
     if arch == "sm90" and _gluon_fits(t, rows, kg, r, head_d, rd):
         return _gluon_config(rows, kg, 2, 2, 3.0, True)
     if t <= 16:
