@@ -42,7 +42,7 @@ def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
 def make_block(args, layer: int, seed: int) -> Block:
     """A TP8-rank block with every plugin bound to dummy weights; the reference experts are dropped."""
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.plugins.refs import hc_split_weight
+    from dsflash.plugins.bench import bind_random_mhc
     g = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device(DEV):
         blk = Block(args, layer, Numerics("deploy", args.act_block), Mapping(world_size=TP, tp_size=TP, rank=0),
@@ -53,13 +53,8 @@ def make_block(args, layer: int, seed: int) -> Block:
     d, e = args.hidden_size, args.n_routed_experts
     inter = args.moe_intermediate_size // TP
     ipad = -(-inter // 64) * 64
+    bind_random_mhc(blk, g)
     with torch.no_grad():
-        k = blk.hc_attn_fn.shape[1]
-        for site in ("attn", "ffn"):
-            getattr(blk, f"hc_{site}_fn").copy_(torch.randn(24, k, device=DEV, generator=g) * k ** -0.5)
-            getattr(blk, f"hc_{site}_base").copy_(torch.randn(24, device=DEV, generator=g) * 0.5)
-            getattr(blk, f"hc_{site}_scale").copy_(torch.rand(3, device=DEV, generator=g) + 0.5)
-        blk.hc_plugin = dispatch.FusedHC(hc_split_weight(blk.hc_attn_fn), hc_split_weight(blk.hc_ffn_fn))
         for m in blk.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(torch.rand(m.weight.shape, device=DEV, generator=g) + 0.5)

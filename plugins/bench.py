@@ -139,14 +139,31 @@ def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
     return rows
 
 
+def mhc_weights(k: int, gen: torch.Generator | None = None, device=DEV):
+    """Random parameters of one mHC site over 4·D = k: fn [24, k] fp32 (mixes of O(1)), base [24], scale [3]."""
+    fn = torch.randn(24, k, device=device, generator=gen) * k ** -0.5
+    return fn, torch.randn(24, device=device, generator=gen) * 0.5, torch.rand(3, device=device, generator=gen) + 0.5
+
+
+def bind_random_mhc(block, gen: torch.Generator, overlap: bool = False) -> None:
+    """Fill a V4.1 `Block`'s two mHC sites with `mhc_weights` and bind the fused mHC plugin to them."""
+    from dsflash.model_def.dispatch import FusedHC
+    with torch.no_grad():
+        for site in ("attn", "ffn"):
+            for name, t in zip(("fn", "base", "scale"), mhc_weights(block.hc_attn_fn.shape[1], gen,
+                                                                     block.hc_attn_fn.device)):
+                getattr(block, f"hc_{site}_{name}").copy_(t)
+        block.hc_plugin = FusedHC(refs.hc_split_weight(block.hc_attn_fn), refs.hc_split_weight(block.hc_ffn_fn),
+                                  overlap)
+
+
 def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
     from dsflash.plugins.mhc import hc_mix, hc_post, hc_pre
     rows = []
     d = HIDDEN
     k = 4 * d
-    fn = torch.randn(24, k, device=DEV) * k ** -0.5
+    fn, base, scale = mhc_weights(k)
     h = refs.hc_split_weight(fn)
-    base, scale = torch.randn(24, device=DEV) * 0.5, torch.rand(3, device=DEV) + 0.5
     w = torch.rand(d, device=DEV) + 0.5
     for t in ms:
         per_set = t * 4 * d * 2 * 3

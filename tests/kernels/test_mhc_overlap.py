@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsflash.model_def import dispatch, get_preset
+from dsflash.model_def import get_preset
 from dsflash.model_def.layers import LocalComm, Numerics
 from dsflash.model_def.v41 import Block
 
@@ -32,21 +32,16 @@ class _Chain(torch.nn.Module):
 
 def _block(overlap: bool) -> Block:
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.plugins.refs import hc_split_weight
+    from dsflash.plugins.bench import bind_random_mhc
     args = get_preset("v41", "tiny")
     with torch.device(DEV):
         blk = Block(args, 0, Numerics("deploy"), None, LocalComm(), torch.bfloat16, args.n_routed_experts,
                     args.num_experts_per_tok)
     g = torch.Generator(device=DEV).manual_seed(0)
+    bind_random_mhc(blk, g, overlap)
     with torch.no_grad():
-        k = blk.hc_attn_fn.shape[1]
-        for site in ("attn", "ffn"):
-            getattr(blk, f"hc_{site}_fn").copy_(torch.randn(24, k, device=DEV, generator=g) * k ** -0.5)
-            getattr(blk, f"hc_{site}_base").copy_(torch.randn(24, device=DEV, generator=g) * 0.5)
-            getattr(blk, f"hc_{site}_scale").copy_(torch.rand(3, device=DEV, generator=g) + 0.5)
         for norm in (blk.attn_norm, blk.ffn_norm):
             norm.weight.copy_(torch.rand(norm.weight.shape, device=DEV, generator=g) + 0.5)
-        blk.hc_plugin = dispatch.FusedHC(hc_split_weight(blk.hc_attn_fn), hc_split_weight(blk.hc_ffn_fn), overlap)
     blk.ffn = _Chain(args.hidden_size, 40, 1)
     return blk
 
