@@ -3,11 +3,12 @@
 One decode step of `--layers` full-size V4.1-Flash blocks of one TP8 rank (TP8/EP1: 384 experts of 288, padded to
 320; shared expert 288; 8 heads), dummy weights generated in place, the model's own `Block` code with the plugins
 bound: mHC (`hc_mix` + `hc_pre` + `hc_post_pre` + `hc_post`), the MoE op (router + MXFP4 experts) with the shared
-expert's FP8 linears, the norms. The attention site runs the attention's projections on their plugins (wq_a →
+expert's FP8 linears and fused SwiGLU, the norms. The attention site runs the attention's projections on their plugins (wq_a →
 q_norm → wq_b, wkv → kv_norm, WO-A with inverse RoPE, wo_b); its core (a reference op in this repo, not graph-safe)
 is left out, so the attention site here is shorter than a real one and the overlap has less to hide behind.
-The step is captured in one CUDA graph per order and per token count T; the two graphs are replayed alternately.
-Also timed: `hc_mix` alone (what the overlap can hide, two per layer). Prints a table, writes `--out` JSON.
+The step is captured in one CUDA graph per order (`ORDERS`) and per token count T; the graphs are replayed in
+turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and the step with the shared expert's
+SwiGLU as torch ops (what the `swiglu` plugin saves). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -29,6 +30,9 @@ from dsflash.model_def.v41 import Block
 DEV = "cuda"
 TP = 8
 RERUNS = 4    # replays of each order compared against the first serial one
+# serial: mHC coefficients in line; overlap: on the side stream (the default); torch_swiglu: overlap, with the shared
+# expert's SwiGLU as the reference's torch ops instead of the fused kernel
+ORDERS = ("serial", "overlap", "torch_swiglu")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -70,6 +74,7 @@ def make_block(args, layer: int, seed: int) -> Block:
         w2_q[:, :, inter // 2:] = 0
         moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s.view(torch.float8_e8m0fnu), w2_q, w2_s.view(torch.float8_e8m0fnu),
                                        inter, moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit)
+        moe.shared_experts.act_plugin = dispatch.FusedSwiGLU()
         for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3, blk.attn.wq_a,
                     blk.attn.wq_b, blk.attn.wkv, blk.attn.wo_b):
             lin.plugin = _fp8_linear(lin, g)
@@ -192,13 +197,14 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
             def fn():
                 Y, p = X, pre
                 for b, att in zip(blocks, attends):
-                    b.hc_plugin.overlap = order == "overlap"
+                    b.hc_plugin.overlap = order != "serial"
+                    b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     Y, p = b(Y, p, att, None)
                 outs[order] = (Y, p)
             return fn
 
         with torch.no_grad():
-            graphs = {order: _capture(step(order)) for order in ("serial", "overlap")}
+            graphs = {order: _capture(step(order)) for order in ORDERS}
             hc, b0 = blocks[0].hc_plugin, blocks[0]
             xflat = X.view(t, -1)
 
@@ -222,16 +228,19 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         rel = max(_rel(runs[f"overlap{i}"], runs["serial"]) for i in range(RERUNS))
         rerun = max(_rel(runs[f"serial_again{i}"], runs["serial"]) for i in range(RERUNS))
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
+        tsw = us["torch_swiglu"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
                "hc_mix_us": round(us["hc_mix"], 2),
                "hidden_fraction_of_2_hc_mix": round((ser - ovl) / (2 * us["hc_mix"]), 2),
-               "max_rel_diff_overlap_vs_serial": rel, "max_rel_diff_serial_rerun": rerun}
+               "max_rel_diff_overlap_vs_serial": rel, "max_rel_diff_serial_rerun": rerun,
+               "torch_swiglu_us_per_layer": round(tsw, 2), "saved_by_fused_swiglu_us": round(tsw - ovl, 2)}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
-              f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})", flush=True)
+              f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
+              f"torch SwiGLU {tsw:.1f}", flush=True)
         if kernels:
             for k in kernels["serial"][:25]:
                 print(f"    {k['us']:7.2f} µs  {k['calls']:5.2f}×  {k['name'][:110]}")

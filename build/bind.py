@@ -14,7 +14,7 @@ import torch
 
 from dsflash.model_def import dispatch
 from dsflash.model_def.csa2 import Attention
-from dsflash.model_def.layers import Linear, RMSNorm
+from dsflash.model_def.layers import Expert, Linear, RMSNorm
 
 log = logging.getLogger("dsflash.bind")
 
@@ -81,6 +81,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
             if isinstance(mod, RMSNorm) and mod.weight.shape[-1] % 32 == 0:   # the kernel's 32-wide blocks
                 mod.plugin = dispatch.FusedRMSNorm()
                 bound["norm"] += 1
+    if plugins.get("swiglu") == "fused":
+        for mod in model.modules():
+            if isinstance(mod, Expert) and mod.w1.quant == "fp8":   # shared experts (routed ones: the MoE plugin)
+                mod.act_plugin = dispatch.FusedSwiGLU()
+                bound["swiglu"] += 1
     if plugins.get("wo_a") == "fused":
         for mod in model.modules():
             if isinstance(mod, Attention):
@@ -153,6 +158,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, RMSNorm) and mod.plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("norm", n, m, (a[0].detach().clone(),))))
+        elif isinstance(mod, dispatch.FusedSwiGLU):   # the kernel alone: its expert's linears are gemm sites
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("swiglu", n, m, (a[0].detach().clone(), a[1].detach().clone(), a[2]))))
         elif isinstance(mod, Block) and mod.hc_plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("mhc", n, m, (a[0].detach().clone(), a[1].detach().clone()))))
@@ -183,7 +191,7 @@ def _reference_copy(mod):
     extra roundings (e.g. the expert intermediate, which the MoE kernel keeps in fp32)."""
     ref = copy.deepcopy(mod)
     for m in ref.modules():
-        for attr in ("plugin", "hc_plugin"):
+        for attr in ("plugin", "hc_plugin", "act_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
         if getattr(m, "fused_wo_a", False):
@@ -219,6 +227,10 @@ def _replay(kind: str, mod, payload) -> float:
             setattr(m, nested[0], _PassThrough(nested[1]))
     try:
         with torch.no_grad():
+            if kind == "swiglu":
+                from dsflash.plugins.refs import clipped_swiglu_ref
+                g, u, limit = payload
+                return _rel(mod(g, u, limit), clipped_swiglu_ref(g.float(), u.float(), limit))
             if kind in ("gemm", "moe", "norm"):
                 return _rel(mod(payload[0]), ref(payload[0].float()))
             if kind == "mhc":

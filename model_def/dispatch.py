@@ -27,6 +27,7 @@ PLUGIN_IMPLS = {
     "mhc": (REFERENCE, "fused", "fused_overlap"),
     "wo_a": (REFERENCE, "fused"),        # inverse RoPE + grouped output projection
     "norm": (REFERENCE, "fused"),        # RMSNorm in one kernel (q_norm, kv_norm, k_norm, the final norm, ...)
+    "swiglu": (REFERENCE, "fused"),      # the shared expert's clipped SwiGLU (+ BF16 rounding) in one kernel
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
 _warned: set[str] = set()
@@ -77,6 +78,14 @@ class FusedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         lead = x.shape[:-1]
         return ops().rmsnorm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(*lead, x.shape[-1])
+
+
+class FusedSwiGLU(nn.Module):
+    """Plugin of a shared expert's clipped SwiGLU: `dsflash::clipped_swiglu`, h in deploy numerics (fp32 math,
+    rounded to BF16 before w2) in one launch instead of the reference's widen / clamp / silu / multiply / round."""
+
+    def forward(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+        return ops().clipped_swiglu(g, u, limit)
 
 
 class MXFP4MoE(nn.Module):

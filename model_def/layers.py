@@ -258,8 +258,12 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, numerics, quant, dtype=dtype)
         self.w3 = Linear(dim, inter, numerics, quant, dtype=dtype)
         self.swiglu_limit = swiglu_limit
+        self.act_plugin: nn.Module | None = None   # dispatch.FusedSwiGLU (shared experts), attached by an engine loader
 
     def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.act_plugin is not None and route_weight is None and self.w2.numerics.deploy:
+            # the deploy-rounded h below in one kernel (no routing weight: it would multiply before the rounding)
+            return self.w2(self.act_plugin(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
         h = clipped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
         if route_weight is not None:
             h = h * wide(route_weight).unsqueeze(-1)

@@ -71,6 +71,20 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("dsflash::clipped_swiglu", mutates_args=())
+def clipped_swiglu(g: Tensor, u: Tensor, limit: float) -> Tensor:
+    """The shared expert's silu(min(g, L)) · clamp(u, ±L) in fp32, rounded to BF16 (deploy numerics, before w2)."""
+    if g.is_cuda:
+        from dsflash.plugins.swiglu import clipped_swiglu as k
+        return k(g, u, limit)
+    return refs.clipped_swiglu_ref(g, u, limit).to(torch.bfloat16)
+
+
+@clipped_swiglu.register_fake
+def _(g, u, limit):
+    return g.new_empty(g.shape, dtype=torch.bfloat16)
+
+
 @torch.library.custom_op("dsflash::act_quant_dequant", mutates_args=())
 def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0) -> Tensor:
     """(RMSNorm ->) FP8 1×32 quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
@@ -310,5 +324,5 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear",
+OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "clipped_swiglu", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear",
        "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")

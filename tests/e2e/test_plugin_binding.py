@@ -49,7 +49,7 @@ def test_gpu_engines_select_plugins_and_bf16():
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4" and sm90["mhc"] == "fused_overlap"
     assert sm90["wo_a"] == "fused"
-    assert sm90["norm"] == "fused"
+    assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
     with pytest.raises(ValueError, match="not a plugin op"):
         BuildConfig(disable_plugins=["lm_head"])
@@ -68,11 +68,12 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     from dsflash.model_def.layers import RMSNorm
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert f"'norm': {len(norms)}" in bound and all(m.plugin is not None for m in norms)
+    assert f"'swiglu': {layers}" in bound     # one shared expert per block
     assert all(m.hc_plugin.overlap for m in model.modules() if hasattr(m, "hc_plugin"))   # inline on the CPU
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"gemm", "moe", "mhc", "wo_a", "norm"}
+    assert kinds == {"gemm", "moe", "mhc", "wo_a", "norm", "swiglu"}
     assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
     # FP8 linears with a BF16-cache copy in the hopper layout carry it (main layers, not the drafter)
     wq_b = model.layers[0].attn.wq_b.plugin
@@ -119,7 +120,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt):
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
-        assert {r["kind"] for r in rows} == {"gemm", "moe", "mhc", "wo_a", "norm"}
+        assert {r["kind"] for r in rows} == {"gemm", "moe", "mhc", "wo_a", "norm", "swiglu"}
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 
