@@ -27,9 +27,9 @@ from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait, _load_boxes
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
 
 BOX = 64    # K per TMA box: one 128-byte BF16 row, the widest swizzle
-ROWS = 64   # weight rows per program (one wgmma M)
-TOKENS = 8  # tokens per program (the wgmma N): T <= 8
-BOX_K, BLOCK_P, BLOCK_Q = gl.constexpr(BOX), gl.constexpr(ROWS), gl.constexpr(TOKENS)
+TILE_ROWS = 64    # weight rows per program (one wgmma M)
+TILE_TOKENS = 8   # tokens per program (the wgmma N): T <= 8
+BOX_K, BLOCK_P, BLOCK_Q = gl.constexpr(BOX), gl.constexpr(TILE_ROWS), gl.constexpr(TILE_TOKENS)
 ROPE_CHUNK = gl.constexpr(3)  # RoPE boxes rotated per batch of loads (registers: 108 at 3, spills at 9)
 
 
@@ -141,7 +141,7 @@ def _wo_a_gluon_decode_kernel(w_desc, o_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, 
 def fits(t: int, r: int, kg: int, head_d: int, rd: int) -> bool:
     """Whether the Gluon decode kernel takes this call: ≤ 8 tokens, 64-row tiles inside a group, 64-K boxes, every
     head's RoPE channels inside its last box."""
-    return (0 < t <= TOKENS and r % ROWS == 0 and kg % BOX == 0 and kg % head_d == 0 and head_d % BOX == 0
+    return (0 < t <= TILE_TOKENS and r % TILE_ROWS == 0 and kg % BOX == 0 and kg % head_d == 0 and head_d % BOX == 0
             and 0 < rd <= BOX)
 
 
@@ -166,14 +166,14 @@ def wo_a_gluon_decode(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: 
     assert fits(t, r, kg, d, rd), (t, r, kg, d, rd)
     out = torch.empty((t, rows), dtype=torch.bfloat16, device=o.device)
     split, max_boxes = slice_boxes(kg, boxes, split)
-    tiles = rows // ROWS
+    tiles = rows // TILE_ROWS
     part = torch.empty((split, t, rows), dtype=torch.float32, device=o.device) if split > 1 else out
     cnt = split_counter(o.device, tiles, "wo_a_gluon") if split > 1 else out
-    w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [ROWS, BOX],
-                              gl.NVMMASharedLayout.get_default_for([ROWS, BOX], gl.bfloat16))
+    w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [TILE_ROWS, BOX],
+                              gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BOX], gl.bfloat16))
     ov = o.view(t, h * d)
-    o_desc = TensorDescriptor(ov, [t, h * d], [h * d, 1], [TOKENS, BOX],
-                              gl.NVMMASharedLayout.get_default_for([TOKENS, BOX], gl.bfloat16))
+    o_desc = TensorDescriptor(ov, [t, h * d], [h * d, 1], [TILE_TOKENS, BOX],
+                              gl.NVMMASharedLayout.get_default_for([TILE_TOKENS, BOX], gl.bfloat16))
     nh = triton.cdiv(max_boxes * BOX, d) + 1        # heads whose last box can fall in one slice
     _wo_a_gluon_decode_kernel[(tiles, split)](
         w_desc, o_desc, ov, cos, sin, out, part, cnt,
