@@ -46,7 +46,8 @@ def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
 def make_block(args, layer: int, seed: int) -> Block:
     """A TP8-rank block with every plugin bound to dummy weights; the reference experts are dropped."""
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.plugins.bench import bind_random_mhc
+    from dsflash.build.bind import fused_hc
+    from dsflash.plugins.bench import randomize_mhc
     g = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device(DEV):
         blk = Block(args, layer, Numerics("deploy", args.act_block), Mapping(world_size=TP, tp_size=TP, rank=0),
@@ -57,7 +58,8 @@ def make_block(args, layer: int, seed: int) -> Block:
     d, e = args.hidden_size, args.n_routed_experts
     inter = args.moe_intermediate_size // TP
     ipad = -(-inter // 64) * 64
-    bind_random_mhc(blk, g)
+    randomize_mhc(blk, g)
+    blk.hc_plugin = fused_hc(blk, overlap=False)
     with torch.no_grad():
         for m in blk.modules():
             if isinstance(m, RMSNorm):

@@ -56,7 +56,6 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     """Attach plugins to `model` in place; `kept[entry name]` = {"q", "s"(, "bf16")} from the engine.
     Returns how many sites each op bound."""
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.plugins.refs import hc_split_weight
     if not model.numerics.deploy:
         raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
     bound = {op: 0 for op in plugins}
@@ -72,9 +71,7 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     if plugins.get("mhc") in ("fused", "fused_overlap"):
         for name, mod in model.named_modules():
             if hasattr(mod, "hc_plugin"):
-                with torch.no_grad():
-                    mod.hc_plugin = dispatch.FusedHC(hc_split_weight(mod.hc_attn_fn), hc_split_weight(mod.hc_ffn_fn),
-                                                     overlap=plugins["mhc"] == "fused_overlap")
+                mod.hc_plugin = fused_hc(mod, overlap=plugins["mhc"] == "fused_overlap")
                 bound["mhc"] += 1
     if plugins.get("norm") == "fused":
         for mod in model.modules():
@@ -98,6 +95,13 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                                op, plugins[op])
     log.info("plugins bound: %s", bound)
     return bound
+
+
+def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
+    """The mHC plugin of a V4.1 block, from its own fp32 mixing weights (split for the tensor-core kernel)."""
+    from dsflash.plugins.refs import hc_split_weight
+    with torch.no_grad():
+        return dispatch.FusedHC(hc_split_weight(block.hc_attn_fn), hc_split_weight(block.hc_ffn_fn), overlap)
 
 
 def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:

@@ -145,16 +145,13 @@ def mhc_weights(k: int, gen: torch.Generator | None = None, device=DEV):
     return fn, torch.randn(24, device=device, generator=gen) * 0.5, torch.rand(3, device=device, generator=gen) + 0.5
 
 
-def bind_random_mhc(block, gen: torch.Generator, overlap: bool = False) -> None:
-    """Fill a V4.1 `Block`'s two mHC sites with `mhc_weights` and bind the fused mHC plugin to them."""
-    from dsflash.model_def.dispatch import FusedHC
+def randomize_mhc(block, gen: torch.Generator) -> None:
+    """Fill the two mHC sites of a V4.1 block (`hc_{attn,ffn}_{fn,base,scale}`) with `mhc_weights`."""
     with torch.no_grad():
         for site in ("attn", "ffn"):
             for name, t in zip(("fn", "base", "scale"), mhc_weights(block.hc_attn_fn.shape[1], gen,
                                                                      block.hc_attn_fn.device)):
                 getattr(block, f"hc_{site}_{name}").copy_(t)
-        block.hc_plugin = FusedHC(refs.hc_split_weight(block.hc_attn_fn), refs.hc_split_weight(block.hc_ffn_fn),
-                                  overlap)
 
 
 def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:

@@ -32,13 +32,15 @@ class _Chain(torch.nn.Module):
 
 def _block(overlap: bool) -> Block:
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.plugins.bench import bind_random_mhc
+    from dsflash.build.bind import fused_hc
+    from dsflash.plugins.bench import randomize_mhc
     args = get_preset("v41", "tiny")
     with torch.device(DEV):
         blk = Block(args, 0, Numerics("deploy"), None, LocalComm(), torch.bfloat16, args.n_routed_experts,
                     args.num_experts_per_tok)
     g = torch.Generator(device=DEV).manual_seed(0)
-    bind_random_mhc(blk, g, overlap)
+    randomize_mhc(blk, g)
+    blk.hc_plugin = fused_hc(blk, overlap)
     with torch.no_grad():
         for norm in (blk.attn_norm, blk.ffn_norm):
             norm.weight.copy_(torch.rand(norm.weight.shape, device=DEV, generator=g) + 0.5)
