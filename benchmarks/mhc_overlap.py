@@ -48,6 +48,7 @@ def make_block(args, layer: int, seed: int) -> Block:
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
     from dsflash.build.bind import fused_hc
     from dsflash.plugins.bench import randomize_mhc
+    from dsflash.plugins.refs import random_mxfp4_experts
     g = torch.Generator(device=DEV).manual_seed(seed)
     with torch.device(DEV):
         blk = Block(args, layer, Numerics("deploy", args.act_block), Mapping(world_size=TP, tp_size=TP, rank=0),
@@ -67,15 +68,8 @@ def make_block(args, layer: int, seed: int) -> Block:
                 m.plugin = dispatch.FusedRMSNorm()
         moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, device=DEV, generator=g) * 0.02)
         moe.gate.bias.copy_(torch.randn(e, device=DEV, generator=g) * 0.05)
-        w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=g)
-        w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=g)
-        w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=g)
-        w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=g)
-        for half in (0, ipad):                  # padded columns are zero, as the converter writes them
-            w13_q[:, half + inter:half + ipad] = 0
-        w2_q[:, :, inter // 2:] = 0
-        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s.view(torch.float8_e8m0fnu), w2_q, w2_s.view(torch.float8_e8m0fnu),
-                                       inter, moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit)
+        moe.plugin = dispatch.MXFP4MoE(*random_mxfp4_experts(e, d, inter, ipad, g), inter, moe.gate.topk,
+                                       moe.gate.scale, moe.gate.temp, args.swiglu_limit)
         moe.shared_experts.act_plugin = dispatch.FusedSwiGLU()
         for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3, blk.attn.wq_a,
                     blk.attn.wq_b, blk.attn.wkv, blk.attn.wo_b):

@@ -228,17 +228,7 @@ class _MoeInputs:
         from dsflash.plugins import refs
         e, ipad, inter, d, m = b["e"], b["inter"], b["inter_valid"], b["d"], b["m"]
         gen = torch.Generator(device="cuda").manual_seed(0)
-
-        def codes(*shape):
-            return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda", generator=gen)
-
-        def scales(*shape):
-            return torch.randint(117, 124, shape, dtype=torch.uint8, device="cuda", generator=gen).view(refs.E8M0)
-        self.w13_q, self.w13_s = codes(e, 2 * ipad, d // 2), scales(e, 2 * ipad, d // 32)
-        self.w2_q, self.w2_s = codes(e, d, ipad // 2), scales(e, d, ipad // 32)
-        for half in (0, ipad):
-            self.w13_q[:, half + inter:half + ipad] = 0
-        self.w2_q[:, :, inter // 2:] = 0
+        self.w13_q, self.w13_s, self.w2_q, self.w2_s = refs.random_mxfp4_experts(e, d, inter, ipad, gen)
         self.gate_w = (torch.randn(e, d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         self.bias = torch.randn(e, device="cuda", generator=gen) * 0.05
         sets = MOE_DECODE_SETS if m <= 64 else 2

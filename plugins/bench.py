@@ -350,15 +350,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
     gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV, generator=gen) * 0.05
     for tp, inter, ipad in MOE_SHAPES:
-        w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=gen)
-        w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=gen)
-        w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=gen)
-        w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=gen)
-        if ipad != inter:
-            for half in (0, ipad):
-                w13_q[:, half + inter:half + ipad] = 0
-            w2_q[:, :, inter // 2:] = 0
-        w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+        w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(e, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
         b13 = 2 * ipad * d // 2 + 2 * ipad * d // 32          # one expert's w13 bytes
         b2 = d * ipad // 2 + d * ipad // 32
@@ -464,6 +456,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
 
 def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
     """WO-A (inverse RoPE + grouped projection to o_lora_rank) at V4.1-Flash shapes, every tile candidate."""
+    from dsflash.plugins.registry import device_arch
     from dsflash.plugins.wo_a import candidates, default_config, wo_a
     rows = []
     inv = 1.0 / (10000.0 ** (torch.arange(0, WO_A_RD, 2, dtype=torch.float64) / WO_A_RD)).float().to(DEV)
@@ -483,8 +476,7 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
                 nb = nb_w + m * h * WO_A_D * 2 + m * WO_A_RD * 4 + m * nrows * 2
                 flops = 2 * m * nrows * kg
                 best, tried, dflt = None, [], None
-                arch = dict(arch="sm90" if torch.cuda.get_device_capability() == (9, 0) else None, head_d=WO_A_D,
-                            rd=WO_A_RD)
+                arch = dict(arch=device_arch(torch.device(DEV)), head_d=WO_A_D, rd=WO_A_RD)
                 for c in candidates(m, nrows, kg, **arch):
                     out = wo_a(os_[0], *cs[0], ws[0], c)
                     err = refs.rel_err(out, ref)

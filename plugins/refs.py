@@ -218,6 +218,22 @@ def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (vals * s).to(dtype)
 
 
+def random_mxfp4_experts(e: int, d: int, inter: int, ipad: int, gen: torch.Generator
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random stacked MXFP4 experts in the MoE op's format, on gen's device: w13_q int8 [E, 2·I_pad, D/2],
+    w13_s e8m0 [E, 2·I_pad, D/32], w2_q [E, D, I_pad/2], w2_s [E, D, I_pad/32]; scales 2^-10..2^-4, and the
+    columns past `inter` zero, as the converter pads them after sharding (for benches and tuning)."""
+    dev = gen.device
+    w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=dev, generator=gen)
+    w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=dev, generator=gen)
+    w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=dev, generator=gen)
+    w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=dev, generator=gen)
+    for half in (0, ipad):
+        w13_q[:, half + inter:half + ipad] = 0
+    w2_q[:, :, inter // 2:] = 0
+    return w13_q, w13_s.view(E8M0), w2_q, w2_s.view(E8M0)
+
+
 def fp8_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
     """Deploy activation quantization in front of an FP8/FP4-weight linear (`Numerics.act_in`): round to BF16, FP8
     e4m3 per 1×32 with a pow2 scale, dequantize; returned in BF16 (exact)."""

@@ -324,5 +324,6 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "clipped_swiglu", "act_quant_dequant", "fp8_gemm", "bf16_cache_gemm", "fp8_linear",
-       "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre", "hc_post_pre_quant", "moe_router", "moe", "wo_a")
+OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "clipped_swiglu", "act_quant_dequant", "fp8_gemm",
+       "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
+       "hc_post_pre_quant", "moe_router", "moe", "wo_a")
