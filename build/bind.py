@@ -105,10 +105,9 @@ def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
 
 
 def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
+    """Bind every V4.1 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
+    addresses from its first global id."""
     from dsflash.model_def.v41 import MoE
-    if ep_size > 1:   # the router kernel has no expert-range filter yet
-        dispatch.warn_once("moe-ep", "moe plugin: expert parallelism (moe_ep=%d) runs the reference MoE", ep_size)
-        return 0
     if not args.norm_topk_prob:
         dispatch.warn_once("moe-norm", "moe plugin: norm_topk_prob=false runs the reference MoE")
         return 0
@@ -117,6 +116,10 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
         if not isinstance(moe, MoE):
             continue
         ids = sorted(int(e) for e in moe.experts)
+        if ids != list(range(ids[0], ids[0] + len(ids))) or len(ids) * ep_size != moe.gate.weight.shape[0]:
+            raise ValueError(f"{name}: the MoE plugin needs each of the {ep_size} EP ranks to own a contiguous block "
+                             f"of {moe.gate.weight.shape[0]} // {ep_size} experts, this rank owns {ids[0]}..{ids[-1]} "
+                             f"({len(ids)})")
 
         def stack(w: str, part: str) -> torch.Tensor:
             return torch.stack([kept[f"{name}.experts.{e}.{w}.weight"][part] for e in ids])
@@ -124,7 +127,7 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
         w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
         w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
         moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local,
-                                       moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit)
+                                       moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit, ids[0])
         n += 1
     return n
 

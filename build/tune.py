@@ -14,8 +14,8 @@ GEMM per local dense linear shape, bucket {"n", "k", "m", "bf16_cache"}, config 
 GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where the engine holds `.weight_bf16`).
 `gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input. And for sm90 engines that bind the
 MoE plugin, "moe": the MXFP4 expert kernels' tiles per local expert shape, bucket {"e", "inter" (padded), "inter_valid",
-"d", "topk", "swiglu_limit", "m"}, config a `plugins.moe_config.MoeConfig` dict (`moe_table(tuned)` ->
-`moe_config.set_table`).
+"d", "topk", "swiglu_limit", "m"; "ep" under expert parallelism}, config a `plugins.moe_config.MoeConfig` dict
+(`moe_table(tuned)` -> `moe_config.set_table`).
 """
 from __future__ import annotations
 
@@ -202,35 +202,41 @@ MOE_DECODE_SETS = 8       # random routings per timed replay (decode reads only 
 
 def _moe_buckets(engine: dict) -> list[dict]:
     """One bucket per token count of `_m_buckets_for`, where the engine binds the MoE plugin (`build.bind._bind_moe`:
-    not under expert parallelism, not with norm_topk_prob=false)."""
+    not with norm_topk_prob=false). Under expert parallelism the shape is one rank's block of experts (`e` local,
+    `ep` ranks: the routing spreads over e·ep)."""
     if engine.get("plugins", {}).get("moe") != "mxfp4":
         return []
     args = args_from_hf_dict(engine["model"], "engine.json")
-    if Mapping.from_dict(engine["mapping"]).moe_ep_size > 1 or not args.norm_topk_prob:
+    if not args.norm_topk_prob:
         return []
-    shape = {"e": args.n_routed_experts, "inter": engine["expert_inter_padded"],
+    ep = Mapping.from_dict(engine["mapping"]).moe_ep_size
+    shape = {"e": args.n_routed_experts // ep, "inter": engine["expert_inter_padded"],
              "inter_valid": engine["expert_inter_local"], "d": args.hidden_size, "topk": args.num_experts_per_tok,
              "swiglu_limit": args.swiglu_limit}
+    if ep > 1:   # (buckets of engines without EP keep their keys)
+        shape["ep"] = ep
     return [{**shape, "m": m} for m in _m_buckets_for(engine)]
 
 
 def _moe_candidates(bucket: dict) -> list[dict]:
     from dsflash.plugins.moe_config import moe_candidates
     b = bucket
-    return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"])]
+    return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], b.get("ep", 1))]
 
 
 class _MoeInputs:
     """Random CUDA inputs of one bucket: stacked MXFP4 experts (padded columns zero, as the engine stores them), a
-    router, and token sets; lazily the reference output of the first set (shared by all candidates)."""
+    router over all e·ep experts (this rank's block is the first: expert_start 0), and token sets; lazily the
+    reference output of the first set (shared by all candidates)."""
 
     def __init__(self, b: dict):
         from dsflash.plugins import refs
         e, ipad, inter, d, m = b["e"], b["inter"], b["inter_valid"], b["d"], b["m"]
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.w13_q, self.w13_s, self.w2_q, self.w2_s = refs.random_mxfp4_experts(e, d, inter, ipad, gen)
-        self.gate_w = (torch.randn(e, d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-        self.bias = torch.randn(e, device="cuda", generator=gen) * 0.05
+        e_all = e * b.get("ep", 1)
+        self.gate_w = (torch.randn(e_all, d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        self.bias = torch.randn(e_all, device="cuda", generator=gen) * 0.05
         sets = MOE_DECODE_SETS if m <= 64 else 2
         self.xs = [(torch.randn(m, d, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
         self.shared = [torch.randn(m, d, device="cuda", generator=gen) for _ in range(sets)]
@@ -417,8 +423,9 @@ def moe_table(tuned: dict | None) -> dict:
     for e in (tuned or {}).get("entries", []):
         if e["op"] == MOE.name:
             b = e["bucket"]
-            per_shape.setdefault((b["e"], b["inter"], b["d"], b["topk"]), {})[b["m"]] = e["config"]
-    return {key_str(*shape, b): v for shape, by_m in per_shape.items() for b, v in _pow2_cover(by_m).items()}
+            per_shape.setdefault((b["e"], b["inter"], b["d"], b["topk"], b.get("ep", 1)), {})[b["m"]] = e["config"]
+    return {key_str(*shape[:4], b, shape[4]): v for shape, by_m in per_shape.items()
+            for b, v in _pow2_cover(by_m).items()}
 
 
 def _pow2_cover(by_m: dict[int, dict]) -> dict[int, dict]:

@@ -318,7 +318,8 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
 
 # -- MoE and WO-A -----------------------------------------------------------------------------------------------------
 MOE_E, MOE_TOPK, MOE_LIMIT, MOE_SCALE = 384, 6, 10.0, 1.5
-MOE_SHAPES = [("tp1", 2304, 2304), ("tp8", 288, 320)]          # (tp, logical intermediate, padded)
+# (name, logical intermediate, padded, EP ranks): TP1, one TP8 rank (MoE-TP), one EP8 rank (48 experts of 384)
+MOE_SHAPES = [("tp1", 2304, 2304, 1), ("tp8", 288, 320, 1), ("ep8", 2304, 2304, 8)]
 WO_A_SHAPES = [("tp1", 64, 8), ("tp8", 8, 1)]                   # (tp, local heads, local o_groups)
 WO_A_D, WO_A_RD, WO_A_R = 512, 64, 1024
 
@@ -341,16 +342,18 @@ def _eager_time_us(calls: list, reps: int = 5) -> float:
 
 def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
     """Router, the decode GEMV GEMMs (w13 + SwiGLU epilogue, w2 + weighted reduction) and the whole routed-expert
-    pass at V4.1-Flash shapes (384 experts, top-6, hidden 5120; TP1 and one TP8 rank). Bytes = the distinct
-    routed experts' MXFP4 weights + e8m0 scales (what the op must read) + activations in/out."""
+    pass at V4.1-Flash shapes (384 experts, top-6, hidden 5120; TP1, one TP8 rank, one EP8 rank: its 48 experts,
+    routed over all 384). Bytes = the distinct routed experts' MXFP4 weights + e8m0 scales on this rank (what the op
+    must read) + activations in/out."""
     from dsflash.plugins import moe as M
     rows = []
     d, e, k = HIDDEN, MOE_E, MOE_TOPK
     gen = torch.Generator(device=DEV).manual_seed(3)
     gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV, generator=gen) * 0.05
-    for tp, inter, ipad in MOE_SHAPES:
-        w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(e, d, inter, ipad, gen)
+    for tp, inter, ipad, ep in MOE_SHAPES:
+        el = e // ep   # this rank's experts: the first block (expert_start 0)
+        w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(el, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
         b13 = 2 * ipad * d // 2 + 2 * ipad * d // 32          # one expert's w13 bytes
         b2 = d * ipad // 2 + d * ipad // 32
@@ -358,15 +361,19 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
             if time.time() > deadline:
                 rows.append({"op": "moe", "shape": tp, "M": m, "error": "skipped: time budget"})
                 continue
-            shape = f"{tp} E{e} k{k} {d}x{inter}" + (f"(pad {ipad})" if ipad != inter else "")
+            shape = (f"{tp} E{e}" + (f"/{el}" if ep > 1 else "") + f" k{k} {d}x{inter}"
+                     + (f"(pad {ipad})" if ipad != inter else ""))
             try:
                 n_sets = 8 if m <= 64 else 2
                 xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(n_sets)]
-                cfg = M.default_moe_config(m, k, e, ipad, d)
+                cfg = M.default_moe_config(m, k, el, ipad, d, ep)
                 lay = cfg.xq_layout
-                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay) for x in xs]
-                n_act = statistics.mean(len(torch.unique(r[1])) for r in routed)
+                # an EP rank lists its pairs, as `moe.moe` does: the decode GEMVs then launch for its share only
+                lists = [M.local_pairs(m, k, DEV) if ep > 1 else None for _ in xs]
+                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay, local_experts=el, pairs=pl)
+                          for x, pl in zip(xs, lists)]
+                n_act = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
                 p = m * k
                 # router (+ the deploy activation quant it also writes)
                 if tp == "tp1":
@@ -392,17 +399,17 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 best = None
                 tried = []
                 xq_in = {lay: [r[2] for r in routed]}
-                for c in M.moe_candidates(m, k, e, ipad, d):
+                for c in M.moe_candidates(m, k, el, ipad, d, ep):
                     try:   # each config reads its own activation layout (the router writes any of them)
                         if c.xq_layout not in xq_in:
                             xq_in[c.xq_layout] = [M.as_layout(r[2], c.xq_layout) for r in routed]
                         xin = xq_in[c.xq_layout]
                         out = M.moe_experts(xin[0], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
-                                            MOE_LIMIT, inter, shared[0], c)
+                                            MOE_LIMIT, inter, shared[0], c, ep, lists[0])
                         err = refs.rel_err(out, ref_out)
                         us, how = graph_time_us([lambda i=i, c=c, xin=xin: M.moe_experts(
                             xin[i], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
-                            shared[i], c) for i in range(n_sets)])
+                            shared[i], c, ep, lists[i]) for i in range(n_sets)])
                     except Exception as ex:
                         rows.append({"op": "moe_experts", "shape": shape, "M": m, "config": c.tag(),
                                      "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
@@ -420,22 +427,24 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 if best_cfg.gemv:
                     best_cfg = dataclasses.replace(best_cfg, pdl=False)
                     xin = xq_in[best_cfg.xq_layout]
-                    hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
-                           for i, r in enumerate(routed)]
+                    slots = M.local_pair_slots(p, ep)
+                    hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg, None, None,
+                                      lists[i], slots) for i, r in enumerate(routed)]
                     outs = [torch.zeros(m, d, device=DEV) for _ in range(n_sets)]
                     us13, how = graph_time_us([lambda i=i: M.gemv_w13(xin[i], routed[i][0], routed[i][1],
-                                                                       w13_q, w13_s, inter, MOE_LIMIT, best_cfg)
+                                                                       w13_q, w13_s, inter, MOE_LIMIT, best_cfg, None,
+                                                                       None, lists[i], slots)
                                                 for i in range(n_sets)])
                     us2, _ = graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
-                                                                   best_cfg) for i in range(n_sets)])
+                                                                   best_cfg, lists[i], slots) for i in range(n_sets)])
                     rows.append(_row("moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
                                      2 * p * d * 2 * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b13 / 1e6))
                     rows.append(_row("moe_w2_gemv", shape, m, us2, None, n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
                                      2 * p * d * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b2 / 1e6))
-                # router + experts
-                if tp == "tp1":
+                # router + experts (the EP rank: the op as `moe.moe` runs it, with its pair list)
+                if tp == "tp1" or ep > 1:
                     us, how = graph_time_us([lambda i=i: M.moe(xs[i], gw, bias, k, MOE_SCALE, w13_q, w13_s, w2_q,
                                                                 w2_s, MOE_LIMIT, inter, shared[i])
                                               for i in range(n_sets)])

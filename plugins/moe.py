@@ -26,6 +26,11 @@ H200 (benchmarks/README.md, "Session 3"). Its only difference from the fp32 path
 in-block sums (~1e-3 relative in g and u), which the FP8 requantization of h turns into 1.4-4.6e-3 ‖Δ‖/‖ref‖ of the
 MoE output (9.6e-3 on the worst single-token site measured); acc16=False keeps fp32 accumulation (~1e-7).
 
+Expert parallelism (moe_ep > 1): each rank holds a contiguous block of the experts and routes over all of them. The
+top-k kernel writes ids local to that block and marks another rank's pick with the block size; the align kernel
+leaves those pairs out and every decode program of such a pair returns after the output's initialisation, so a
+rank reads only its own experts' bytes and the TP all-reduce adds the ranks' shares.
+
 Weights are consumed in the plain reference MXFP4 layout stacked over experts (int8 [E, N, K/2], low nibble = even
 k; e8m0 [E, N, K/32]), not the hopper Marlin repack: the Marlin order is the register-fragment order of
 `mma.sync.m16n8k16`, which Triton does not expose; `tl.dot_scaled` takes the K-packed OCP layout as is.
@@ -35,6 +40,7 @@ block of one token wastes MMA lanes, not weight bytes. Imports Triton: load this
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,7 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
-    MoeConfig, _div, default_moe_config, gemv_warps, lookup, moe_candidates)
+    MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates)
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 
@@ -75,17 +81,21 @@ def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 # -- 1. router logits (+ the deploy activation) -----------------------------------------------------------------------
 @triton.jit
-def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, T, E, K, stride_x, stride_w, stride_l,
+def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, count_ptr, T, E, K, stride_x, stride_w, stride_l,
                           stride_xq, SPLIT, SPLIT_STRIDE,
                           BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_MODE: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_MODE: tl.constexpr,
+                          ZERO_COUNT: tl.constexpr):
     """Partial logits of K slice pid_k -> logits[pid_k] (the top-k kernel sums the slices in order: deterministic).
     The programs of the first expert tile also write xq for their K slice, in layout XQ_MODE: 0 natural BF16,
     1 the fp32 GEMV layout (`gemv_act`), 2 the f16-code GEMV layout (`gemv16_act`: codes to xq_ptr, scales to
-    xs_ptr)."""
+    xs_ptr). ZERO_COUNT: program (0, 0, 0) also zeroes the local-pair counter the top-k kernel appends to."""
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if ZERO_COUNT:
+        if pid_e + pid_t + pid_k == 0:
+            tl.store(count_ptr, 0)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
@@ -124,9 +134,14 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, T, E, K, st
 # -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
 @triton.jit
 def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT_STRIDE,
-                        gate_temp, route_scale, eps, SPLIT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                        NORM: tl.constexpr, NB_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials."""
+                        gate_temp, route_scale, eps, expert_start, n_local, list_ptr, count_ptr,
+                        SPLIT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                        NB_E: tl.constexpr, BLOCK_T: tl.constexpr, COMPACT: tl.constexpr):
+    """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials. The ids written are
+    local to the experts [expert_start, expert_start + n_local) (one EP rank's; all experts: 0, E): a pick outside
+    them is written as n_local, which the expert kernels skip (`refs.local_expert_ids`). COMPACT: the pairs
+    p = t·k + j picked here are also appended to list_ptr (count_ptr: how many, zeroed by the logits kernel), so the
+    decode GEMVs can run this rank's pairs only (order: atomic arrival)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, NB_E)
     kcol = tl.arange(0, KP)
@@ -161,7 +176,13 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
     wts = wts * route_scale
     out = offs_t[:, None] * TOPK + kcol[None, :]
     m2 = mt[:, None] & (kcol < TOPK)[None, :]
+    local = ids - expert_start
+    ids = tl.where((local >= 0) & (local < n_local), local, n_local)
     tl.store(ids_ptr + out, ids, mask=m2)
+    if COMPACT:
+        mine = tl.reshape((m2 & (ids < n_local)).to(tl.int32), [BLOCK_T * KP])
+        base = tl.atomic_add(count_ptr, tl.sum(mine, axis=0))
+        tl.store(list_ptr + base + tl.cumsum(mine, 0) - mine, tl.reshape(out, [BLOCK_T * KP]), mask=mine > 0)
     tl.store(w_ptr + out, wts, mask=m2)
 
 
@@ -170,7 +191,8 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
 def _moe_align_kernel(ids_ptr, sorted_ptr, off_ptr, cnt_ptr, P, E, MAX_SLOTS,
                       BLOCK_M: tl.constexpr, NB_E: tl.constexpr, BLOCK: tl.constexpr):
     """One program. sorted[off[e] .. off[e] + count_e) = the pair indices p = t·k + j routed to expert e (order
-    within an expert: atomic arrival), the rest of each BLOCK_M-padded run = P (sentinel); off [E + 1]."""
+    within an expert: atomic arrival), the rest of each BLOCK_M-padded run = P (sentinel); off [E + 1]. Pairs with
+    id E (routed to another EP rank) are left out."""
     cols = tl.arange(0, NB_E)
     r = tl.arange(0, BLOCK)
     counts = tl.zeros([NB_E], dtype=tl.int32)
@@ -187,8 +209,8 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, off_ptr, cnt_ptr, P, E, MAX_SLOTS,
         tl.store(sorted_ptr + s0 + r, P, mask=s0 + r < MAX_SLOTS)
     tl.debug_barrier()
     for c0 in range(0, P, BLOCK):
-        m = c0 + r < P
-        ids = tl.load(ids_ptr + c0 + r, mask=m, other=0)
+        ids = tl.load(ids_ptr + c0 + r, mask=c0 + r < P, other=E)
+        m = ids < E                                                      # E: an expert of another EP rank
         pos = tl.atomic_add(cnt_ptr + ids, 1, mask=m)
         tl.store(sorted_ptr + pos, c0 + r, mask=m)
 
@@ -505,9 +527,9 @@ def _pair_perm16(n, N):
 @triton.jit
 def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
                          out_ptr, sh_ptr, D_OUT, stride_o, stride_sh,
-                         N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr,
+                         N, N_VALID, K, TOPK, E, limit, list_ptr, count_ptr, T, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                         ACC16: tl.constexpr, INIT_OUT: tl.constexpr):
+                         ACC16: tl.constexpr, INIT_OUT: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
@@ -515,18 +537,45 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     the epilogue. ACC16: the activation is in the f16-code layout (xp codes, xs block scales) and so is h (hp, hs),
     the f16-accumulating GEMV (`_mx_gemv16_step`). INIT_OUT (1: zeros, 2: the shared expert's output sh): the
     programs of each token's first pair also write out [T, D_OUT] fp32, the buffer the w2 GEMV adds into, so the
-    MoE needs no separate launch for it."""
-    p = tl.program_id(0)
+    MoE needs no separate launch for it. A pair routed to another EP rank (id E) does nothing else.
+    COMPACT (expert parallelism): program row pid_0 runs the pairs list[pid_0 + i·rows], i < PASSES, of the
+    count_ptr pairs this rank holds (`router` with a pair list; rows·PASSES >= T·k), so the grid is sized for this
+    rank's share of the pairs, not all T·k; every program then writes a share of out's starting value."""
+    pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
     gdc_launch_dependents()
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    if COMPACT:
+        if INIT_OUT > 0:
+            _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * tl.num_programs(1) + pid_n) * SPLIT
+                           + pid_k, tl.num_programs(0) * tl.num_programs(1) * SPLIT, INIT_OUT == 2)
+        count = tl.load(count_ptr)
+        for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
+            s = pid0 + i * tl.num_programs(0)
+            if s < count:
+                p = tl.load(list_ptr + s)
+                _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p,
+                          tl.load(ids_ptr + p).to(tl.int64), pid_n, pid_k, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N,
+                          BLOCK_K, NUM_STAGES, EVEN, ACC16)
+    else:
+        p = pid0
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if INIT_OUT > 0:
+            if p % TOPK == 0:
+                _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(tl.int64), D_OUT, stride_o, stride_sh,
+                                pid_n * SPLIT + pid_k, tl.num_programs(1) * SPLIT, INIT_OUT == 2)
+        if e < E:
+            _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
+                      N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
+
+
+@triton.jit
+def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
+              N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
+    """`_moe_w13_gemv_kernel`'s work for pair p on (local) expert e."""
     t = p // TOPK
-    if INIT_OUT > 0:
-        if p % TOPK == 0:
-            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
-                            tl.num_programs(1) * SPLIT, INIT_OUT == 2)
     BW: tl.constexpr = BLOCK_K // 8
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     r = tl.arange(0, 2 * BLOCK_N)
@@ -544,6 +593,20 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
             tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
             _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
+
+
+@triton.jit
+def _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, COPY: tl.constexpr):
+    """Program i of n writes its share of all T rows of out (`_init_out_share`): n // T programs per row, or whole
+    rows i, i + n, ... when there are fewer programs than rows."""
+    if n >= T:
+        per_row = n // T
+        t = i // per_row
+        if t < T:
+            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, i % per_row, per_row, COPY)
+    else:
+        for t in range(i, T, n):
+            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, 0, 1, COPY)
 
 
 @triton.jit
@@ -588,18 +651,38 @@ def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLO
 
 
 @triton.jit
-def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                        ACC16: tl.constexpr):
+def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, E, stride_o, list_ptr, count_ptr,
+                        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        EVEN: tl.constexpr, ACC16: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr):
     """Pair p, output features [pid_n·BN, +BN), K slice pid_k of SPLIT: y = h_p·W2[e]ᵀ, atomically added (fp32)
     into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum).
-    ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV."""
-    p = tl.program_id(0)
+    ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV. A pair routed to
+    another EP rank (id E) is skipped; COMPACT: program row pid_0 runs the listed pairs as `_moe_w13_gemv_kernel`."""
+    pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
     gdc_launch_dependents()
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    if COMPACT:
+        count = tl.load(count_ptr)
+        for i in tl.static_range(PASSES):   # (unrolled: see `_moe_w13_gemv_kernel`)
+            s = pid0 + i * tl.num_programs(0)
+            if s < count:
+                p = tl.load(list_ptr + s)
+                _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, tl.load(ids_ptr + p).to(tl.int64), pid_n,
+                         pid_k, N, K, TOPK, stride_o, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
+    else:
+        e = tl.load(ids_ptr + pid0).to(tl.int64)
+        if e < E:
+            _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, pid0, e, pid_n, pid_k, N, K, TOPK, stride_o, SPLIT,
+                     BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
+
+
+@triton.jit
+def _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, e, pid_n, pid_k, N, K, TOPK, stride_o, SPLIT: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+             ACC16: tl.constexpr):
+    """`_moe_w2_gemv_kernel`'s work for pair p on (local) expert e."""
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
@@ -659,6 +742,19 @@ def as_layout(xq, layout: str):
     return gemv16_act(nat) if layout == "gemv16" else nat
 
 
+class LocalPairs(NamedTuple):
+    """This EP rank's (token, expert) pairs as the router lists them: index int32 [T·k] (the first count are pair
+    indices t·k + j, in no particular order), count int32 [1]."""
+    index: torch.Tensor
+    count: torch.Tensor
+
+
+def local_pairs(t: int, topk: int, device) -> LocalPairs:
+    """Buffers for `router(..., pairs=)` (filled on the device: no host sync)."""
+    return LocalPairs(torch.empty(t * topk, dtype=torch.int32, device=device),
+                      torch.empty(1, dtype=torch.int32, device=device))
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterTiles:
     """Launch shape of the two router kernels: logits tiles (block_t tokens × block_e experts × block_k, `split` K
@@ -690,13 +786,17 @@ def router_tiles(t: int, e: int, d: int) -> RouterTiles:
 
 
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-           gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16"
+           gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16",
+           expert_start: int = 0, local_experts: int | None = None, pairs: LocalPairs | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
     """x [T, D] BF16, gate_w [E, D] BF16, bias fp32 [E] or [T, E] (a row per token: V4.1 selects with `bias_vl` on
     image tokens) -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
     1×32 fake-quantized activation the expert GEMMs read, BF16 [T, D] (xq_layout "bf16"), or in a decode GEMV's
     layout: fp32 [T, 4, D/4] ("gemv", see `gemv_act`) or (f16 codes, block scales) ("gemv16", see `gemv16_act`);
-    or None."""
+    or None. Expert parallelism: with local_experts = L the ids are local to the experts [expert_start,
+    expert_start + L) of this rank, and a pick of another rank's expert is L (`refs.local_expert_ids`); the weights
+    stay normalised over all k picks. pairs (`local_pairs`): also list the pairs t·k + j picked on this rank there,
+    for the decode GEMVs to run only those."""
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, (tuple(x.shape), x.dtype)
     assert gate_w.dtype == torch.bfloat16 and gate_w.is_contiguous() and gate_w.shape[1] == x.shape[1]
     assert xq_layout in (None, "bf16", "gemv", "gemv16"), xq_layout
@@ -705,6 +805,9 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     assert bias.shape in ((e,), (t, e)) and bias.dtype == torch.float32 and bias.is_contiguous(), \
         f"router bias must be fp32 [{e}] or [{t}, {e}], contiguous, got {bias.dtype} {tuple(bias.shape)}"
     assert d % QBLOCK == 0 and 1 <= topk <= e
+    local_experts = e if local_experts is None else local_experts
+    assert 0 <= expert_start and 1 <= local_experts and expert_start + local_experts <= e, \
+        f"EP expert range [{expert_start}, {expert_start} + {local_experts}) is not inside the router's {e} experts"
     dev = x.device
     ids = torch.empty((t, topk), dtype=torch.int32, device=dev)
     w = torch.empty((t, topk), dtype=torch.float32, device=dev)
@@ -721,14 +824,19 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     rt = router_tiles(t, e, d)
     logits = torch.empty((rt.split, t, e), dtype=torch.float32, device=dev)
     xq_out, xs_out = xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)   # (unused ones: any)
+    if pairs is not None:
+        assert pairs.index.shape == (t * topk,) and pairs.index.dtype == torch.int32 and pairs.count.numel() == 1, \
+            f"pairs must list up to T·k = {t * topk} int32 pair indices (`local_pairs`)"
+    plist, pcount = (ids, ids) if pairs is None else (pairs.index, pairs.count)   # (unused ones: any)
     _router_logits_kernel[(triton.cdiv(e, rt.block_e), triton.cdiv(t, rt.block_t), rt.split)](
-        x, gate_w, logits, xq_out, xs_out, t, e, d,
+        x, gate_w, logits, xq_out, xs_out, pcount, t, e, d,
         x.stride(0), gate_w.stride(0), e, d, rt.split, t * e, BLOCK_E=rt.block_e, BLOCK_T=rt.block_t,
         BLOCK_K=rt.block_k, NUM_STAGES=3, WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0),
-        num_warps=rt.warps)
+        ZERO_COUNT=pairs is not None, num_warps=rt.warps)
     _router_topk_kernel[(triton.cdiv(t, rt.topk_t),)](
         logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, t * e, float(gate_temp), float(route_scale),
-        float(eps), SPLIT=rt.split, TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1),
+        float(eps), expert_start, local_experts, plist, pcount, SPLIT=rt.split, TOPK=topk,
+        KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), COMPACT=pairs is not None,
         NB_E=triton.next_power_of_2(e), BLOCK_T=rt.topk_t, num_warps=rt.topk_warps)
     return w, ids, xq
 
@@ -766,11 +874,12 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
 
 def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
              inter: int, swiglu_limit: float, cfg: MoeConfig, out: torch.Tensor | None = None,
-             shared: torch.Tensor | None = None):
+             shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0):
     """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
     [T·k, I_pad] (pair-permuted ×2^6), or (acc16) f16 codes [T·k, 2, I_pad/8, 4] + block scales [T·k, I_pad/32].
     xp: the activation in `cfg.xq_layout`. With out (fp32 [T, D]) the same launch also sets out to the shared
-    expert's output `shared` ([T, D], any float dtype), or to 0 without it."""
+    expert's output `shared` ([T, D], any float dtype), or to 0 without it. pairs (EP, from `router`): run only the
+    listed pairs, on `slots` rows of programs (each runs every slots-th listed pair)."""
     codes, xs = xp if cfg.acc16 else (xp, xp)
     p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2
@@ -796,20 +905,31 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         assert shared is None or (shared.shape == (t, d) and shared.stride(1) == 1), tuple(shared.shape)
     o = hq if out is None else out
     sh = o if shared is None else shared
-    _moe_w13_gemv_kernel[(p, n_tiles, split)](
+    rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
+    _moe_w13_gemv_kernel[(rows, n_tiles, split)](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         o, sh, d, o.stride(0), sh.stride(0),
-        ipad, inter, d, ids.shape[1], float(swiglu_limit), SPLIT=split,
+        ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
         BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, INIT_OUT=init,
-        num_warps=cfg.warps, launch_pdl=cfg.pdl)
+        COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
 
 
+def _pair_rows(ids: torch.Tensor, pairs: LocalPairs | None, slots: int):
+    """A decode GEMV's program rows, pair list and count, and passes: one row per pair, or `slots` rows over the
+    listed pairs (each row every slots-th of them, at most T·k / slots passes)."""
+    if pairs is None:
+        return ids.numel(), ids, ids, 1   # (the list arguments unused: any tensor)
+    assert 1 <= slots <= ids.numel(), slots
+    return slots, pairs.index, pairs.count, triton.cdiv(ids.numel(), slots)
+
+
 def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
-            cfg: MoeConfig) -> torch.Tensor:
-    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds); hp as `gemv_w13` returns it."""
+            cfg: MoeConfig, pairs: LocalPairs | None = None, slots: int = 0) -> torch.Tensor:
+    """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds); hp as `gemv_w13` returns it;
+    pairs, slots: as `gemv_w13` (the row-per-thread w2 skips another rank's pairs on the full grid instead)."""
     hq, hs = hp if cfg.acc16 else (hp, hp)
-    p, ipad = hq.shape[0], hq[0].numel()
+    ipad = hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
     if cfg.rows2:
@@ -818,21 +938,26 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
         return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, cfg.pdl)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
-    _moe_w2_gemv_kernel[(p, triton.cdiv(d, cfg.bn2), split)](
-        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], out.stride(0),
+    rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
+    _moe_w2_gemv_kernel[(rows, triton.cdiv(d, cfg.bn2), split)](
+        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
+        out.stride(0), plist, pcount,
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
-        ACC16=cfg.acc16, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
+        ACC16=cfg.acc16, COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
     return out
 
 
 def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
                 w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
                 swiglu_limit: float, inter: int | None = None, shared: torch.Tensor | None = None,
-                config: MoeConfig | None = None) -> torch.Tensor:
+                config: MoeConfig | None = None, ep: int = 1, pairs: LocalPairs | None = None) -> torch.Tensor:
     """Routed MXFP4 experts + the shared expert's output -> fp32 [T, D] (before the TP all-reduce).
 
     xq: the fake-quantized activation from `router`, BF16 [T, D] or a decode GEMV's layout (`gemv_act`,
-    `gemv16_act`; converted when the chosen config reads another one); weights fp32 / ids int32 [T, k]; w13_q int8
+    `gemv16_act`; converted when the chosen config reads another one); weights fp32 / ids int32 [T, k] in [0, E]
+    (E: an expert of another EP rank, skipped; `router` with local_experts), ep: the EP ranks the experts are
+    spread over (picks the tuned config of this share of the routing), pairs: this rank's pairs as `router` lists
+    them (the decode GEMVs then launch for about T·k/ep pairs, not T·k); w13_q int8
     [E, 2·I_pad, D/2] (w1 rows, then w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8
     [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain MXFP4: low nibble = even k); inter = the logical intermediate
     width (<= I_pad: padded columns contribute nothing); shared: [T, D] any float dtype, or None. No host sync; the
@@ -859,14 +984,16 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     assert ids.shape == weights.shape and ids.shape[0] == t and ids.dtype == torch.int32 and ids.is_contiguous()
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     topk = ids.shape[1]
-    cfg = config or lookup(t, topk, e, ipad, d)
+    cfg = config or lookup(t, topk, e, ipad, d, ep)
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
     if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
         out = torch.empty((t, d), dtype=torch.float32, device=dev)
         sh = None if shared is None else (shared if shared.stride(1) == 1 else shared.contiguous())
-        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh)
-        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
+        slots = local_pair_slots(ids.numel(), ep)
+        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh,
+                      pairs, slots)
+        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots)
     if shared is not None:
         out = shared.to(torch.float32, copy=True).contiguous()
     else:
@@ -898,10 +1025,16 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
 
 def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
         w13_q, w13_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
-        shared: torch.Tensor | None = None, gate_temp: float = 1.0, config: MoeConfig | None = None
-        ) -> torch.Tensor:
-    """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked)."""
+        shared: torch.Tensor | None = None, gate_temp: float = 1.0, config: MoeConfig | None = None,
+        expert_start: int = 0) -> torch.Tensor:
+    """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked). Under
+    expert parallelism gate_w routes over all experts and w13/w2 hold this rank's block of them, expert_start..;
+    the output is this rank's share (the TP all-reduce sums the ranks')."""
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
-    cfg = config or lookup(x.shape[0], topk, e, ipad, x.shape[1])
-    w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout=cfg.xq_layout)
-    return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg)
+    ep = gate_w.shape[0] // e
+    assert ep * e == gate_w.shape[0], f"{gate_w.shape[0]} routed experts do not split into EP blocks of {e}"
+    cfg = config or lookup(x.shape[0], topk, e, ipad, x.shape[1], ep)
+    pairs = local_pairs(x.shape[0], topk, x.device) if ep > 1 and cfg.gemv and x.shape[0] > 0 else None
+    w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout=cfg.xq_layout,
+                        expert_start=expert_start, local_experts=e, pairs=pairs)
+    return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg, ep, pairs)

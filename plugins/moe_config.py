@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 from dsflash.plugins.tuning import ConfigTable, m_bucket
@@ -83,6 +84,16 @@ def _gemv_cfg(bn13: int, bk13: int, bn2: int, bk2: int, stages: int, stages2: in
                      s2, acc16, stages2)
 
 
+def local_pair_slots(pairs: int, ep: int) -> int:
+    """Program rows of an EP rank's decode GEMVs (`moe.router` lists its pairs): the T·k/ep pairs a rank gets on
+    average, plus two standard deviations and one, at most all T·k. A rank that gets more (a hot expert) runs the
+    extra pairs as second passes of the same programs."""
+    if ep <= 1:
+        return pairs
+    mean = pairs / ep
+    return max(1, min(pairs, math.ceil(mean + 2 * math.sqrt(mean)) + 1))
+
+
 def rows_fit(inter: int) -> bool:
     """Whether `moe_gluon`'s row-per-thread-pair w2 GEMV takes this (padded) intermediate: rows of a multiple of 8
     words, all held in registers (K <= 512)."""
@@ -97,51 +108,57 @@ def _div(n: int, want: int, floor: int) -> int:
     return b
 
 
-def _triton_gemv_default(t: int, topk: int, inter: int, dim: int) -> MoeConfig:
+def _triton_gemv_default(pairs: int, inter: int, dim: int) -> MoeConfig:
     """The decode default with both GEMVs in Triton (see `default_moe_config`)."""
     bk13 = _div(dim, 256, 32)
     if inter >= 1024:
-        return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, t * topk, inter, dim)
-    return _gemv_cfg(32, bk13, 256, 128, 3, 1, t * topk, inter, dim, split2=2)
+        return _gemv_cfg(32, bk13, 64, _div(inter, 256, 32), 3, 3, pairs, inter, dim)
+    return _gemv_cfg(32, bk13, 256, 128, 3, 1, pairs, inter, dim, split2=2)
 
 
-def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
+def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> MoeConfig:
     """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
     H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
     w2 64 rows × 256 K for a long intermediate (TP1-like); for a short one (one TP8 rank: 320) the row-per-thread-pair
     Gluon w2 (`rows2`, 4 warps) with PDL: the whole pass 1.05-1.11× faster than with the best Triton w2 tile at
     M = 1 / 3 / 8 (benchmarks/moe_w2_rows_s9_h200.json); else 256 rows × 128 K, 2 K slices, no cp.async staging.
     Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48
-    tokens)."""
-    if t * topk <= 2 * n_experts:
-        cfg = _triton_gemv_default(t, topk, inter, dim)
+    tokens). n_experts is the local count; with ep EP ranks the routing spreads over ep times as many, and about
+    1/ep of the (token, expert) pairs run here (the split-K counts aim at those)."""
+    if t * topk <= 2 * n_experts * ep:
+        pairs = -(-t * topk // ep)
+        cfg = _triton_gemv_default(pairs, inter, dim)
+        if ep > 1:   # an EP rank's few pairs on its listed-pair grid: w13 wins with ~1000 programs, not 400 (one EP8
+            # rank, H200: the winners x5-6 / x3-4 / x2 / x1 at M = 1 / 3 / 8 / 64, benchmarks/moe_ep_s11_h200.json)
+            cfg = dataclasses.replace(cfg, split13=_gemv_split(pairs * -(-inter // cfg.bn13), dim // cfg.bk13, 1000))
         return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1, pdl=True) if rows_fit(inter) else cfg
-    avg = t * topk / max(1, n_experts)
+    avg = t * topk / max(1, n_experts * ep)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
     if bm == 16:
         return MoeConfig(False, 32, _div(dim, 128, 32), 64, _div(inter, 128, 32), 4, 3, 16, 4)
     return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
 
 
-def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> list[MoeConfig]:
+def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
     row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default."""
-    first = default_moe_config(t, topk, n_experts, inter, dim)
+    first = default_moe_config(t, topk, n_experts, inter, dim, ep)
+    p = -(-t * topk // ep)   # the pairs this rank runs (all of them without EP): the GEMVs' split-K sizes for them
     out = [first]
     d = first
     if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
         out += [dataclasses.replace(first, warps2=w) for w in (2, 8)] + [dataclasses.replace(first, pdl=False)]
-        d = _triton_gemv_default(t, topk, inter, dim)
+        d = _triton_gemv_default(p, inter, dim)
         out.append(d)
     if d.gemv:
         out.append(dataclasses.replace(d, pdl=not d.pdl))
-        p = t * topk
         old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
                         _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
         out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
                 dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
                 dataclasses.replace(d, split13=min(6, 2 * d.split13)),
+                dataclasses.replace(d, split13=min(6, 4 * d.split13)),
                 _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
                 _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
     # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
@@ -150,9 +167,10 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int) -> l
 
 
 # -- the table build writes and serve reads --------------------------------------------------------------------------
-def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int) -> str:
-    """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k) at a token bucket."""
-    return f"E{n_experts}xI{inter}xD{dim}k{topk}@{bucket}"
+def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int, ep: int = 1) -> str:
+    """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k; over ep EP ranks) at a
+    token bucket."""
+    return f"E{n_experts}xI{inter}xD{dim}k{topk}" + (f"ep{ep}" if ep > 1 else "") + f"@{bucket}"
 
 
 _moe_table = ConfigTable("moe", str, log)
@@ -163,7 +181,7 @@ def set_table(entries: dict | None) -> None:
     _moe_table.install(None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()})
 
 
-def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int) -> MoeConfig:
+def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> MoeConfig:
     """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
-    return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t)),
-                          lambda: default_moe_config(t, topk, n_experts, inter, dim), MoeConfig.tag)
+    return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t), ep),
+                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep), MoeConfig.tag)

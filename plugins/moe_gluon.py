@@ -37,20 +37,30 @@ def _pairs4(t):
 
 
 @gluon.jit
-def _moe_w2_rows_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, TOPK, stride_o,
+def _moe_w2_rows_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, TOPK, E, stride_o,
                         K8: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     """Pair p, output features [pid_n·ROWS, +ROWS): out[t] += h_p·W2[e]ᵀ (fp32 atomics), h in the f16-code layout
     (hp: int64 view [P, 2, K/8] of the codes, hs: block scales [P, K/32]), W2 words [E, N, K/8], scales e8m0
-    [E, N, K/32]. K8 = K/8 words per row, a multiple of 8."""
+    [E, N, K/32]. K8 = K/8 words per row, a multiple of 8. A pair routed to another EP rank (id E) only waits."""
+    p = gl.program_id(0)
+    e = gl.load(ids_ptr + p).to(gl.int64)
+    if e < E:
+        _w2_rows_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, e, N, TOPK, stride_o, K8, PDL, num_warps)
+    elif PDL:   # every program waits: this grid must not complete before the one it depends on
+        _grid_dependency_wait()
+
+
+@gluon.jit
+def _w2_rows_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, e, N, TOPK, stride_o,
+                  K8: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    """`_moe_w2_rows_kernel`'s work for pair p on (local) expert e."""
     ROWS: gl.constexpr = ROWS_PER_WARP * num_warps
     KB: gl.constexpr = K8 // 4
     # [ROWS, 8 words] per step: thread (r, j) holds words 4j..4j+3 of the step, i.e. 32-block 2·step + j of row r
     lay: gl.constexpr = gl.BlockedLayout([1, 4], [ROWS_PER_WARP, 2], [num_warps, 1], [1, 0])
-    p = gl.program_id(0)
     rows = gl.program_id(1) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, lay))
     row_ok = gl.expand_dims(rows < N, 1)
-    e = gl.load(ids_ptr + p).to(gl.int64)
     grow = gl.expand_dims(e * N + rows, 1)                               # [ROWS, 1] global row
     w_at = w2_ptr + grow * K8 + gl.expand_dims(cols, 0)
     s_at = s2_ptr + grow * KB + gl.expand_dims(cols // 4, 0)
@@ -107,5 +117,5 @@ def gemv_w2_rows(hq: torch.Tensor, hs: torch.Tensor, ids: torch.Tensor, w2_q: to
     assert w2_q.shape == (e, d, k // 2) and w2_s.shape == (e, d, k // 32), (tuple(w2_q.shape), tuple(w2_s.shape))
     grid = (p, -(-d // (ROWS_PER_WARP.value * warps)))
     _moe_w2_rows_kernel[grid](hq.view(torch.int64), hs, w2_q.view(torch.int32), w2_s.view(torch.uint8), out, ids, d,
-                              ids.shape[1], out.stride(0), K8=k // 8, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                              ids.shape[1], e, out.stride(0), K8=k // 8, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out

@@ -287,11 +287,15 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     TP all-reduce). x [T, D] (BF16), weights/ids [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
     [E, I_pad, D/32], w2_q [E, D, I_pad/2], w2_s [E, D, I_pad/32] (reference MXFP4 layout, stacked over experts);
     `inter` = the logical intermediate width (the columns past it are padding and ignored); shared: the shared
-    expert's output [T, D] (any float dtype) or None. Returns fp32 [T, D]: Σ_e (ascending e) y_e + shared."""
+    expert's output [T, D] (any float dtype) or None. Returns fp32 [T, D]: Σ_e (ascending e) y_e + shared.
+    Under expert parallelism the weights are this rank's E experts and ids are local (`local_expert_ids`): an id of
+    E or more was routed to another rank and contributes nothing here."""
     inter = w1_q.shape[1] if inter is None else inter
     xq = fp8_fake_quant_ref(x)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
+        if e >= w1_q.shape[0]:
+            continue
         rows, slot = torch.where(ids == e)
         w1 = mxfp4_dequant_ref(w1_q[e, :inter], w1_s[e, :inter])
         w3 = mxfp4_dequant_ref(w3_q[e, :inter], w3_s[e, :inter])
@@ -309,11 +313,21 @@ def shared_expert_ref(x: torch.Tensor, w1_q: torch.Tensor, w1_s: torch.Tensor, w
     return ffn_ref(fp8_fake_quant_ref(x), w1, w3, w2, swiglu_limit)
 
 
+def local_expert_ids(ids: torch.Tensor, expert_start: int, n_local: int) -> torch.Tensor:
+    """Global expert ids -> ids into one EP rank's experts [expert_start, expert_start + n_local); an expert another
+    rank owns becomes n_local (the experts' "not here" id). The routing weights stay as the router made them: they
+    are normalised over all k picks, wherever those run."""
+    local = ids - expert_start
+    return torch.where((local >= 0) & (local < n_local), local, torch.full_like(local, n_local))
+
+
 def moe_ref(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
             w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
-            shared: torch.Tensor | None = None, gate_temp: float = 1.0) -> torch.Tensor:
-    """Router + routed experts + shared-expert add (fp32 [T, D], before the TP all-reduce)."""
+            shared: torch.Tensor | None = None, gate_temp: float = 1.0, expert_start: int = 0) -> torch.Tensor:
+    """Router + routed experts + shared-expert add (fp32 [T, D], before the TP all-reduce). gate_w routes over all
+    experts; the weights may be one EP rank's block of them, the experts expert_start.. (`local_expert_ids`)."""
     w, idx = router_ref(x, gate_w, gate_bias, topk, route_scale, gate_temp)
+    idx = local_expert_ids(idx, expert_start, w1_q.shape[0])
     return moe_experts_ref(x, w, idx, w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit, inter, shared)
 
 

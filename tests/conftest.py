@@ -18,6 +18,23 @@ def seed() -> int:
     return value
 
 
+class _PartialSums:
+    """The comm of one TP rank on its own: reductions are left out, so a plugin and its reference see the same
+    partial sums (`partial_sums` fixture)."""
+
+    def __init__(self, tp: int, rank: int):
+        self.tp_size, self.tp_rank = tp, rank
+
+    def all_reduce(self, x):
+        return x
+
+
+@pytest.fixture
+def partial_sums() -> type:
+    """`partial_sums(tp, rank)`: a comm for loading one rank of a TP engine without its peers."""
+    return _PartialSums
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run only slice I of N (1-based) of the collected tests, dealt round robin in collection "

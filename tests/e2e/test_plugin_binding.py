@@ -34,16 +34,6 @@ def sm90_engine(hopper_ckpt):
                         BuildConfig(), progress=False)
 
 
-class PartialSums:
-    """One TP rank on its own: reductions are left out (plugin and reference then see the same partial sums)."""
-
-    def __init__(self, tp: int, rank: int):
-        self.tp_size, self.tp_rank = tp, rank
-
-    def all_reduce(self, x):
-        return x
-
-
 def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
@@ -110,17 +100,33 @@ def test_reference_override_binds_nothing(sm90_engine):
     assert torch.isfinite(model.logits(ids)).all()
 
 
-def test_tp2_rank_with_padded_experts(hopper_ckpt):
+def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
     """MoE-TP2 halves the tiny intermediate (64 -> 32), padded after sharding to the 64-wide sm90 tile."""
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-tp2", Mapping(world_size=2, tp_size=2), "sm90",
                        BuildConfig(), progress=False)
     for rank in (0, 1):
-        model, meta = load_engine_model(eng, rank, comm=PartialSums(2, rank), check_arch=False)
+        model, meta = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False)
         assert (meta.meta["expert_inter_local"], meta.meta["expert_inter_padded"]) == (32, 64)
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
         assert {r["kind"] for r in rows} == {"gemm", "moe", "mhc", "wo_a", "norm", "swiglu"}
+        assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
+
+
+def test_ep2_ranks_bind_their_expert_blocks(hopper_ckpt, partial_sums):
+    """MoE EP2 (TP2, moe_tp 1): each rank binds the MoE plugin over its own block of experts, which routes over all
+    of them; every site matches its reference (the model's EP loop) on the rank's partial sums."""
+    eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2),
+                       "sm90", BuildConfig(), progress=False)
+    for rank in (0, 1):
+        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False)
+        n = model.args.n_routed_experts // 2
+        plugin = model.layers[0].ffn.plugin
+        assert plugin is not None and plugin.expert_start == rank * n and plugin.w13_q.shape[0] == n
+        ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
+        rows = site_parity(model, ids)
+        assert "moe" in {r["kind"] for r in rows}
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 

@@ -21,11 +21,16 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def hopper_ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-eng")
     synthesize(get_preset("v41", "tiny"), root / "hf", seed=7)
     convert(root / "hf", root / "hop", "hopper", progress=False, log=lambda *a: None)
-    return write_engine(root / "hop", root / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+    return root / "hop"
+
+
+@pytest.fixture(scope="module")
+def engine(hopper_ckpt):
+    return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
                         BuildConfig(max_num_tokens=8, tune_budget_s=20), progress=False)
 
 
@@ -57,3 +62,20 @@ def test_missing_tuned_entries_are_logged_once(engine, caplog):
     gemm = [r for r in rows if r["kind"] == "gemm"]
     assert max(r["rel"] for r in gemm) <= 1e-2, max(gemm, key=lambda r: r["rel"])
     assert max(r["rel"] for r in rows) <= 2e-2, max(rows, key=lambda r: r["rel"])
+
+
+def test_ep2_ranks_match_their_references(hopper_ckpt, partial_sums):
+    """MoE EP2 (TP2): each rank's MoE plugin (its block of experts, routed over all, pairs listed by the router)
+    matches the model's EP reference on that rank. (Tuning the EP buckets: tests/unit/test_tune.py.)"""
+    eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2),
+                       "sm90", BuildConfig(max_num_tokens=8, tune_budget_s=0), progress=False)
+    for rank in (0, 1):
+        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank))
+        n = model.args.n_routed_experts // 2
+        assert model.layers[0].ffn.plugin.expert_start == rank * n
+        for t in (1, 40):   # decode (the pair-list GEMVs) and prefill (the sorted MMA path)
+            ids = torch.randint(0, model.args.vocab_size, (1, t), generator=torch.Generator().manual_seed(rank)).cuda()
+            rows = site_parity(model, ids)
+            assert "moe" in {r["kind"] for r in rows}
+            worst = max(rows, key=lambda r: r["rel"])
+            assert worst["rel"] <= 1e-2, (rank, t, worst)

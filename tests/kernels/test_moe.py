@@ -260,3 +260,110 @@ def test_moe_w2_rows(warps, pdl):
     tri = gemv_w2(hp, ids, w2_q, w2_s, shared.clone(), base)
     assert refs.rel_err(out, tri) < 1e-5, refs.rel_err(out, tri)
     assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
+
+
+# -- expert parallelism: one rank's block of experts, routed over all of them ---------------------------------------
+EP = 8
+LOCAL = E // EP
+
+
+def test_router_ids_local_to_an_ep_block(gate):
+    """ids local to [start, start + L), another rank's pick = L; the weights are the all-expert router's."""
+    from dsflash.plugins.moe import local_pairs, router
+    gw, bias = gate
+    x = _x(40, 600)
+    w, ids, _ = router(x, gw, bias, TOPK, SCALE)
+    for start in (0, 5 * LOCAL, E - LOCAL):
+        w_l, ids_l, _ = router(x, gw, bias, TOPK, SCALE, expert_start=start, local_experts=LOCAL)
+        assert torch.equal(w_l, w) and torch.equal(ids_l, refs.local_expert_ids(ids, start, LOCAL))
+        assert bool(((ids_l == LOCAL) | (ids_l < LOCAL)).all()) and bool((ids_l < LOCAL).any())
+        # the pair list: exactly this rank's pairs t·k + j, counted (twice: the counter restarts every call)
+        pairs = local_pairs(40, TOPK, DEV)
+        for _ in range(2):
+            router(x, gw, bias, TOPK, SCALE, expert_start=start, local_experts=LOCAL, pairs=pairs)
+            n = int(pairs.count)
+            mine = (ids_l.flatten() < LOCAL).nonzero().flatten()
+            assert n == mine.numel() and torch.equal(pairs.index[:n].sort().values.long(), mine)
+    with pytest.raises(AssertionError, match="EP expert range"):
+        router(x, gw, bias, TOPK, SCALE, expert_start=E - LOCAL + 1, local_experts=LOCAL)
+
+
+def test_align_leaves_out_other_ranks_pairs():
+    from dsflash.plugins.moe import moe_align
+    ids = torch.randint(0, LOCAL + 1, (257, TOPK), dtype=torch.int32, device=DEV)   # LOCAL: another rank's
+    srt, off = moe_align(ids, LOCAL, 16)
+    mine = (ids.flatten() < LOCAL).nonzero().flatten()
+    assert int(off[-1]) % 16 == 0 and torch.equal(srt[srt < ids.numel()].sort().values.long(), mine)
+
+
+@pytest.mark.parametrize("m", MS)
+def test_moe_expert_parallel(m, experts, gate):
+    """EP8: every rank's block of 48 experts with the ids the router makes local to it, on every expert-GEMM path
+    (the default, both GEMV accumulations, the Triton and the row-per-thread w2, the sorted MMA path): the ranks'
+    outputs sum (the all-reduce) to the single-rank reference within 1e-2, and each rank is near the reference on
+    its own block. A rank's share can be a single (token, expert) pair, whose f16 in-block rounding is not averaged
+    over the k picks (~1e-2 alone, the documented worst single-token case), hence 2e-2 per rank."""
+    from dsflash.plugins.moe import MoeConfig, local_pairs, moe, moe_candidates, moe_experts, router
+    from dsflash.plugins.moe_config import rows_fit
+    tp, inter, ipad, w13_q, w13_s, w2_q, w2_s = experts
+    gw, bias = gate
+    x = _x(m, 700 + m)
+    shared = torch.randn(m, D, device=DEV)
+    xq = refs.fp8_fake_quant_ref(x)
+    w, ids_all, _ = router(x, gw, bias, TOPK, SCALE)
+    want = refs.moe_experts_ref(x, w, ids_all.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
+    gemv = dataclasses.replace(MoeConfig(True, 32, 256, 64, 256, 4, 3, 16, 4, 2, 2, True), pdl=True)
+    cfgs = moe_candidates(m, TOPK, LOCAL, ipad, D, EP)[:1] + [
+        gemv, dataclasses.replace(gemv, acc16=False, pdl=False), MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)]
+    if rows_fit(ipad):
+        cfgs.append(dataclasses.replace(gemv, rows2=True, warps2=4, split2=1))
+    totals = [torch.zeros(m, D, device=DEV) for _ in range(2 * len(cfgs) + 1)]
+    for r in range(EP):
+        start, sl = r * LOCAL, slice(r * LOCAL, (r + 1) * LOCAL)
+        pairs = local_pairs(m, TOPK, DEV)
+        ids = router(x, gw, bias, TOPK, SCALE, expert_start=start, local_experts=LOCAL, pairs=pairs)[1]
+        assert torch.equal(ids, refs.local_expert_ids(ids_all, start, LOCAL))
+        mine = [t[sl] for t in (w13_q, w13_s, w2_q, w2_s)]
+        sh = shared if r == 0 else None
+        ref = refs.moe_experts_ref(x, w, ids.long(), *_split(mine[0], mine[1], ipad), mine[2], mine[3], LIMIT, inter,
+                                   sh)
+        # every config on the full grid (another rank's pairs skipped) and, the decode GEMVs, on the rank's pair list
+        for i, (cfg, listed) in enumerate([(c, None) for c in cfgs] + [(c, pairs) for c in cfgs]):
+            out = moe_experts(xq, w, ids, *mine, LIMIT, inter, sh, cfg, EP, listed)
+            if float(ref.norm()) > 0:
+                assert refs.rel_err(out, ref) < 2e-2, (tp, m, start, cfg.tag(), refs.rel_err(out, ref))
+            else:                       # none of the tokens picked this rank's experts
+                assert not bool(out.any()), (tp, m, start, cfg.tag())
+            totals[i] += out
+        totals[-1] += moe(x, gw, bias, TOPK, SCALE, *mine, LIMIT, inter, sh, expert_start=start)
+    for cfg, total in zip(cfgs + cfgs + ["moe()"], totals):
+        assert refs.rel_err(total, want) < 1e-2, (tp, m, getattr(cfg, "tag", lambda: cfg)(), refs.rel_err(total, want))
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_moe_ep_rank_with_more_pairs_than_slots(m, experts, gate):
+    """A hot EP rank (the bias sends every pick to its 48 experts): T·k listed pairs on fewer program rows
+    (`local_pair_slots`), so programs run several pairs; the whole op against the reference, in a CUDA graph too."""
+    from dsflash.plugins.moe import moe
+    from dsflash.plugins.moe_config import local_pair_slots
+    tp, inter, ipad, w13_q, w13_s, w2_q, w2_s = experts
+    gw, bias = gate
+    hot = bias.clone()
+    hot[2 * LOCAL:3 * LOCAL] += 100.0
+    assert local_pair_slots(m * TOPK, EP) < m * TOPK
+    mine = [t[2 * LOCAL:3 * LOCAL] for t in (w13_q, w13_s, w2_q, w2_s)]
+    x = _x(m, 800 + m)
+    shared = torch.randn(m, D, device=DEV)
+    ref = refs.moe_ref(x, gw, hot, TOPK, SCALE, *_split(mine[0], mine[1], ipad), mine[2], mine[3], LIMIT, inter,
+                       shared, expert_start=2 * LOCAL)
+    out = moe(x, gw, hot, TOPK, SCALE, *mine, LIMIT, inter, shared, expert_start=2 * LOCAL)
+    assert refs.rel_err(out, ref) < 1e-2
+    static_x = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = moe(static_x, gw, hot, TOPK, SCALE, *mine, LIMIT, inter, shared, expert_start=2 * LOCAL)
+    static_x.copy_(_x(m, 900 + m))
+    g.replay()
+    torch.cuda.synchronize()
+    want = moe(static_x, gw, hot, TOPK, SCALE, *mine, LIMIT, inter, shared, expert_start=2 * LOCAL)
+    assert refs.rel_err(got, want) < 1e-6

@@ -87,6 +87,25 @@ def test_moe_ref_equals_model_moe(seed):
     assert refs.rel_err(routed + shared, want) < 1e-6
 
 
+def test_moe_ref_expert_parallel_blocks_sum_to_the_whole(seed):
+    """EP: each rank's block of experts with the routing made local to it; the blocks' outputs sum to all experts'
+    (the TP all-reduce of the ranks), ids of another rank's experts contribute nothing."""
+    t, d, inter, e, k, ep = 7, 64, 64, 8, 3, 4
+    gw = (torch.randn(e, d) * 0.3).to(torch.bfloat16)
+    bias = torch.randn(e) * 0.1
+    x = (torch.randn(t, d) * 2).to(torch.bfloat16)
+    w1q, w1s = _mx(e, inter, d)
+    w3q, w3s = _mx(e, inter, d)
+    w2q, w2s = _mx(e, d, inter)
+    whole = refs.moe_ref(x, gw, bias, k, 1.5, w1q, w1s, w3q, w3s, w2q, w2s, 10.0)
+    n = e // ep
+    parts = [refs.moe_ref(x, gw, bias, k, 1.5, *(a[r * n:(r + 1) * n] for a in (w1q, w1s, w3q, w3s, w2q, w2s)), 10.0,
+                          expert_start=r * n) for r in range(ep)]
+    assert refs.rel_err(sum(parts), whole) < 1e-6 and all(p.abs().sum() > 0 for p in parts)
+    ids = torch.tensor([[0, 2, 5], [7, 1, 3]])
+    assert refs.local_expert_ids(ids, 2, 2).tolist() == [[2, 0, 2], [2, 2, 1]]
+
+
 def test_moe_ref_padding_contributes_nothing(seed):
     """A TP8-style padded intermediate (288 -> 320 here 64 -> 96): zero rows/columns past `inter` change nothing."""
     t, d, inter, pad, e, k = 5, 64, 64, 96, 4, 2
@@ -148,6 +167,10 @@ def test_moe_and_wo_a_registry_cpu_ops(seed):
     shared = torch.randn(t, d)
     y = ops.moe(x, gw, bias, k, 1.5, w13q, w13s, w2q, w2s, 10.0, inter, shared)
     assert torch.equal(y, refs.moe_ref(x, gw, bias, k, 1.5, w1q, w1s, w3q, w3s, w2q, w2s, 10.0, shared=shared))
+    # an EP rank's block (experts 4..7 of 8): the op passes expert_start through
+    y2 = ops.moe(x, gw, bias, k, 1.5, w13q[4:], w13s[4:], w2q[4:], w2s[4:], 10.0, inter, None, 1.0, 4)
+    assert torch.equal(y2, refs.moe_ref(x, gw, bias, k, 1.5, w1q[4:], w1s[4:], w3q[4:], w3s[4:], w2q[4:], w2s[4:],
+                                        10.0, expert_start=4))
     o = torch.randn(2, 4, 32).to(torch.bfloat16)
     cos, sin = refs.rope_cos_sin_ref(torch.tensor([3, 9]), layers.rope_inv_freq(8, 10000.0))
     wa = torch.randn(2 * 16, 64).to(torch.bfloat16)

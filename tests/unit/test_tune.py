@@ -238,8 +238,20 @@ def test_moe_buckets_and_candidates():
     # every decode candidate's w2 K step fits the intermediate (one TP8 rank: 320; TP1: 2304)
     for inter in (320, 2304):
         assert all(c.gemv and c.bk2 <= inter for c in moe_config.moe_candidates(8, 6, 384, inter, 5120))
+    # expert parallelism: one rank's block of experts, its share of the routing (the GEMV splits size for it)
+    ep_buckets = MOE.buckets(_engine(ep=2, tp=2))
+    assert [b["m"] for b in ep_buckets] == [b["m"] for b in MOE.buckets(_engine(tp=2))]
+    for b in ep_buckets:
+        assert (b["e"], b["ep"], b["inter_valid"]) == (a.n_routed_experts // 2, 2, a.moe_intermediate_size)
+        cands = [moe_config.MoeConfig.from_dict(c) for c in MOE.candidates(b)]
+        assert cands == moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], 2)
+    # at EP8 a decode step runs ~1/8 of the pairs: GEMV up to 2 pairs per expert of all 384, split-K for the share
+    ep8 = moe_config.default_moe_config(64, 6, 48, 2304, 5120, ep=8)
+    assert ep8.gemv and ep8 == moe_config.default_moe_config(8, 6, 384, 2304, 5120)
+    assert not moe_config.default_moe_config(257, 6, 48, 2304, 5120, ep=8).gemv
+    assert moe_config.key_str(48, 2304, 5120, 6, 8, ep=8) == "E48xI2304xD5120k6ep8@8"
+    assert moe_config.key_str(384, 2304, 5120, 6, 8) == "E384xI2304xD5120k6@8"
     # where the engine does not bind the MoE plugin there is nothing to tune
-    assert MOE.buckets(_engine(ep=2, tp=2)) == []
     assert MOE.buckets(_engine(disable=("moe",))) == []
     assert MOE.buckets(_engine(arch="cpu")) == []
     no_norm = _engine()
@@ -264,6 +276,12 @@ def test_moe_table_covers_buckets_and_lookup_falls_back_once(caplog):
             for _ in range(3):   # 20 tokens: bucket 32 was not tuned -> the default rule, said once
                 assert moe_config.lookup(20, 2, 16, 64, 256) == moe_config.default_moe_config(20, 2, 16, 64, 256)
         assert len([r for r in caplog.records if "no tuned entry" in r.getMessage()]) == 1
+        # an EP engine's entries are its own keys: the same local shape without EP is another table row
+        c_ep = dataclasses.replace(c1, split13=5)
+        moe_config.set_table(moe_table({"entries": [{"op": "moe", "bucket": {**shape, "m": 1, "ep": 4},
+                                                     "config": c_ep.to_dict()}]}))
+        assert moe_config.lookup(1, 2, 16, 64, 256, ep=4) == c_ep
+        assert moe_config.lookup(1, 2, 16, 64, 256) == moe_config.default_moe_config(1, 2, 16, 64, 256)
     finally:
         moe_config.set_table(None)
 
@@ -276,10 +294,18 @@ def test_moe_tunes_on_the_gpu():
     assert len(moe_table(data)) == 7   # token buckets 1, 2, 4, ..., 64
 
 
-def _tuned_on_gpu(op: TunableOp) -> tuple[dict, dict]:
+@pytest.mark.gpu
+def test_moe_tunes_an_ep_rank_on_the_gpu():
+    """An EP2 rank's block of experts, routed over all of them: verified winners under the EP keys."""
+    _, data = _tuned_on_gpu(MOE, tp=2, ep=2)
+    assert all("failed" not in e and e["bucket"]["ep"] == 2 for e in data["entries"])
+    assert all("ep2@" in k for k in moe_table(data))
+
+
+def _tuned_on_gpu(op: TunableOp, **mapping) -> tuple[dict, dict]:
     """Tune `op` for a tiny sm90 engine (max_num_tokens 64) on this GPU (skip without one): every bucket must get an
     entry whose recorded time is its fastest candidate's. -> (engine, tuned.json data)."""
-    eng = _engine(max_num_tokens=64)
+    eng = _engine(max_num_tokens=64, **mapping)
     if tune_mod._cannot_measure(op, "sm90"):
         pytest.skip(tune_mod._cannot_measure(op, "sm90"))
     data = tune(eng, "sm90", [op])
