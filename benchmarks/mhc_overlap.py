@@ -8,7 +8,8 @@ q_norm → wq_b, wkv → kv_norm, WO-A with inverse RoPE, wo_b); its core (a ref
 is left out, so the attention site here is shorter than a real one and the overlap has less to hide behind.
 The step is captured in one CUDA graph per order (`ORDERS`) and per token count T; the graphs are replayed in
 turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and the step with the shared expert's
-SwiGLU as torch ops (what the `swiglu` plugin saves). Prints a table, writes `--out` JSON.
+SwiGLU as torch ops (what the `swiglu` plugin saves) and with its w1 and w3 as two GEMMs instead of one over the
+stacked weight (what `Expert.w13_plugin` saves). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -31,8 +32,9 @@ DEV = "cuda"
 TP = 8
 RERUNS = 4    # replays of each order compared against the first serial one
 # serial: mHC coefficients in line; overlap: on the side stream (the default); torch_swiglu: overlap, with the shared
-# expert's SwiGLU as the reference's torch ops instead of the fused kernel
-ORDERS = ("serial", "overlap", "torch_swiglu")
+# expert's SwiGLU as the reference's torch ops instead of the fused kernel; separate_w13: overlap, with the shared
+# expert's w1 and w3 as two GEMMs instead of one over the stacked weight (what engines bind)
+ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -46,7 +48,7 @@ def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
 def make_block(args, layer: int, seed: int) -> Block:
     """A TP8-rank block with every plugin bound to dummy weights; the reference experts are dropped."""
     import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
-    from dsflash.build.bind import fused_hc
+    from dsflash.build.bind import fused_hc, stacked_fp8_linear
     from dsflash.plugins.bench import randomize_mhc
     from dsflash.plugins.refs import random_mxfp4_experts
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -74,6 +76,8 @@ def make_block(args, layer: int, seed: int) -> Block:
         for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3, blk.attn.wq_a,
                     blk.attn.wq_b, blk.attn.wkv, blk.attn.wo_b):
             lin.plugin = _fp8_linear(lin, g)
+        sh = moe.shared_experts
+        sh.w13_plugin = stacked_fp8_linear([{"q": w.plugin.w_q, "s": w.plugin.w_s} for w in (sh.w1, sh.w3)])
         blk.attn.wo_a.weight.copy_(torch.randn(blk.attn.wo_a.weight.shape, device=DEV, generator=g)
                                    * blk.attn.wo_a.weight.shape[1] ** -0.5)
     return blk
@@ -163,8 +167,7 @@ def install_tuned(args, blocks: list[Block], max_tokens: int, budget_s: float) -
               "layout": "hf", "plugins": default_plugins("sm90"), "expert_inter_local": inter,
               "expert_inter_padded": -(-inter // 64) * 64,
               "build_config": {"max_num_tokens": max_tokens, "tune_budget_s": budget_s}}
-    used = {tuple(m.plugin.w_q.shape) for b in blocks for m in b.modules()
-            if isinstance(getattr(m, "plugin", None), dispatch.FP8Linear)}
+    used = {tuple(m.w_q.shape) for b in blocks for m in b.modules() if isinstance(m, dispatch.FP8Linear)}
     gemms = dataclasses.replace(FP8_GEMM, buckets=lambda e: [b for b in FP8_GEMM.buckets(e)
                                                              if (b["n"], b["k"]) in used])
     tuned = tune(engine, "sm90", [gemms, MOE])
@@ -187,14 +190,16 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         X = (torch.randn(1, t, 4, args.hidden_size, device=DEV, generator=g) * 2).to(torch.bfloat16)
         pre = torch.rand(1, t, 4, device=DEV, generator=g) + 0.1
         attends = [attention_projections(b, t) for b in blocks]
+        w13 = [b.ffn.shared_experts.w13_plugin for b in blocks]
         outs = {}
 
         def step(order: str):
             def fn():
                 Y, p = X, pre
-                for b, att in zip(blocks, attends):
+                for b, att, stacked in zip(blocks, attends, w13):
                     b.hc_plugin.overlap = order != "serial"
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
+                    b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked
                     Y, p = b(Y, p, att, None)
                 outs[order] = (Y, p)
             return fn
@@ -224,19 +229,20 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         rel = max(_rel(runs[f"overlap{i}"], runs["serial"]) for i in range(RERUNS))
         rerun = max(_rel(runs[f"serial_again{i}"], runs["serial"]) for i in range(RERUNS))
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
-        tsw = us["torch_swiglu"] / n_layers
+        tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
                "hc_mix_us": round(us["hc_mix"], 2),
                "hidden_fraction_of_2_hc_mix": round((ser - ovl) / (2 * us["hc_mix"]), 2),
                "max_rel_diff_overlap_vs_serial": rel, "max_rel_diff_serial_rerun": rerun,
-               "torch_swiglu_us_per_layer": round(tsw, 2), "saved_by_fused_swiglu_us": round(tsw - ovl, 2)}
+               "torch_swiglu_us_per_layer": round(tsw, 2), "saved_by_fused_swiglu_us": round(tsw - ovl, 2),
+               "separate_w13_us_per_layer": round(sep, 2), "saved_by_stacked_w13_us": round(sep - ovl, 2)}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
-              f"torch SwiGLU {tsw:.1f}", flush=True)
+              f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}", flush=True)
         if kernels:
             for k in kernels["serial"][:25]:
                 print(f"    {k['us']:7.2f} µs  {k['calls']:5.2f}×  {k['name'][:110]}")

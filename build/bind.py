@@ -60,7 +60,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
         raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
     bound = {op: 0 for op in plugins}
     if plugins.get("gemm") == "fp8_gemm":
+        stacked = _bind_stacked_w13(model, kept)
+        bound["gemm"] += len(stacked) // 2
         for name, lin in _fp8_linears(model):
+            if name in stacked:
+                continue
             t = kept.get(f"{name}.weight")
             if t is None:   # an entry without kernel-format tensors (e.g. V4's 128×128 blocks): counted below
                 continue
@@ -95,6 +99,38 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                                op, plugins[op])
     log.info("plugins bound: %s", bound)
     return bound
+
+
+def stacks_w13(rows: int) -> bool:
+    """Whether a shared expert's local w1 and w3 ([rows, D] each) run as one GEMM over [w1; w3]: when the 32-row
+    scale blocks do not straddle the seam (`gemm_shapes` asks the same)."""
+    return rows % GEMM_BLOCK == 0
+
+
+def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]]) -> dispatch.FP8Linear:
+    """One `FP8Linear` over the row-stacked kernel tensors of `parts` ({"q", "s"(, "bf16")}, each a multiple of 32
+    rows); the BF16-cache copy only when every part has one."""
+    def rows(key: str) -> torch.Tensor:   # (1-byte float dtypes concatenated as bytes)
+        ts = [p[key] for p in parts]
+        if ts[0].element_size() == 1:
+            return torch.cat([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
+        return torch.cat(ts)
+    return dispatch.FP8Linear(rows("q"), rows("s"), rows("bf16") if all("bf16" in p for p in parts) else None)
+
+
+def _bind_stacked_w13(model, kept) -> set[str]:
+    """Each FP8 shared expert's w1 and w3 read the same input: bind one `FP8Linear` over [w1; w3] as the expert's
+    `w13_plugin` (its BF16-cache copy stacked too). Returns the names of the linears it covers."""
+    done: set[str] = set()
+    for name, mod in model.named_modules():
+        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features)):
+            continue
+        t1, t3 = kept.get(f"{name}.w1.weight"), kept.get(f"{name}.w3.weight")
+        if t1 is None or t3 is None:
+            continue
+        mod.w13_plugin = stacked_fp8_linear([t1, t3])
+        done |= {f"{name}.w1", f"{name}.w3"}
+    return done
 
 
 def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
@@ -165,7 +201,10 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, RMSNorm) and mod.plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("norm", n, m, (a[0].detach().clone(),))))
-        elif isinstance(mod, dispatch.FusedSwiGLU):   # the kernel alone: its expert's linears are gemm sites
+        elif isinstance(mod, Expert) and mod.w13_plugin is not None:   # the stacked w1|w3 GEMM
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("gemm_w13", n + ".w13", m, (a[0].detach().clone(),))))
+        elif isinstance(mod, dispatch.FusedSwiGLU):   # the kernel alone: its expert's GEMMs are sites of their own
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("swiglu", n, m, (a[0].detach().clone(), a[1].detach().clone(), a[2]))))
         elif isinstance(mod, Block) and mod.hc_plugin is not None:
@@ -198,7 +237,7 @@ def _reference_copy(mod):
     extra roundings (e.g. the expert intermediate, which the MoE kernel keeps in fp32)."""
     ref = copy.deepcopy(mod)
     for m in ref.modules():
-        for attr in ("plugin", "hc_plugin", "act_plugin"):
+        for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
         if getattr(m, "fused_wo_a", False):
@@ -240,6 +279,9 @@ def _replay(kind: str, mod, payload) -> float:
                 return _rel(mod(g, u, limit), clipped_swiglu_ref(g.float(), u.float(), limit))
             if kind in ("gemm", "moe", "norm"):
                 return _rel(mod(payload[0]), ref(payload[0].float()))
+            if kind == "gemm_w13":
+                x = payload[0]
+                return _rel(mod.w13_plugin(x), torch.cat([ref.w1(x.float()), ref.w3(x.float())], -1))
             if kind == "mhc":
                 X, pre = payload
                 got = mod(X, pre, lambda x: x, None)

@@ -13,6 +13,7 @@ from dsflash.model_def.names import tensor_table
 
 GROUP32_BLOCK = 32
 NOT_LINEAR_SUFFIXES = ("attn.wo_a.weight",)
+SHARED_W13 = ("shared_experts.w1.weight", "shared_experts.w3.weight")
 
 
 def _is_dense_linear(name: str, role: str) -> bool:
@@ -22,6 +23,7 @@ def _is_dense_linear(name: str, role: str) -> bool:
 def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
     """Distinct local (N, K) of the group-32 FP8 linears `rank` runs: [{"n", "k", "bf16_cache", "names"}], sorted.
 
+    A shared expert's w1 and w3 count once, as their stacked [2·I_local, D] (the engine binds them as one GEMM).
     bf16_cache: some tensor of that shape has a `.weight_bf16` copy in this engine (hopper layout and
     `bf16_cache_eligible`), so the BF16-cache path is a candidate; tensors of the shape without one (e.g. `mtp.*`
     sharing a `layers.*` shape) run the FP8 path with the bucket's best FP8 config (`tune.gemm_table`).
@@ -39,6 +41,10 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
         if e.name not in cuts:
             continue
         n, k = cuts[e.name].shape(e.shape)
+        if e.name.endswith(SHARED_W13) and n % GROUP32_BLOCK == 0:   # one GEMM over [w1; w3] (`bind.stacks_w13`)
+            if e.name.endswith(SHARED_W13[1]):
+                continue
+            n *= 2
         s = shapes.setdefault((n, k), {"n": n, "k": k, "bf16_cache": False, "names": []})
         s["names"].append(e.name)
         s["bf16_cache"] |= hopper and bf16_cache_eligible(e, args)

@@ -259,12 +259,21 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, numerics, quant, dtype=dtype)
         self.swiglu_limit = swiglu_limit
         self.act_plugin: nn.Module | None = None   # dispatch.FusedSwiGLU (shared experts), attached by an engine loader
+        self.w13_plugin: nn.Module | None = None   # dispatch.FP8Linear over [w1; w3] (shared experts), likewise
+
+    def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x·w1ᵀ, x·w3ᵀ); with `w13_plugin` one GEMM over the stacked weight (the same dot product per column: one
+        launch and one weight stream instead of two)."""
+        if self.w13_plugin is not None:
+            return self.w13_plugin(x).to(self.w1.weight.dtype).split(self.w1.out_features, -1)
+        return self.w1(x), self.w3(x)
 
     def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
+        g, u = self._gate_up(x)
         if self.act_plugin is not None and route_weight is None and self.w2.numerics.deploy:
             # the deploy-rounded h below in one kernel (no routing weight: it would multiply before the rounding)
-            return self.w2(self.act_plugin(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
-        h = clipped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+            return self.w2(self.act_plugin(g, u, self.swiglu_limit).to(x.dtype))
+        h = clipped_swiglu(g, u, self.swiglu_limit)
         if route_weight is not None:
             h = h * wide(route_weight).unsqueeze(-1)
         if self.w2.numerics.deploy:

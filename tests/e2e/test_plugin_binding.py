@@ -63,7 +63,11 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"gemm", "moe", "mhc", "wo_a", "norm", "swiglu"}
+    assert kinds == {"gemm", "gemm_w13", "moe", "mhc", "wo_a", "norm", "swiglu"}
+    # a shared expert's w1 and w3 run as one GEMM over the stacked weight (their own linears keep no plugin)
+    shexp = model.layers[0].ffn.shared_experts
+    assert shexp.w13_plugin is not None and shexp.w1.plugin is None and shexp.w3.plugin is None
+    assert shexp.w13_plugin.w_q.shape[0] == 2 * shexp.w1.out_features and shexp.w13_plugin.w_bf16 is not None
     assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
     # FP8 linears with a BF16-cache copy in the hopper layout carry it (main layers, not the drafter)
     wq_b = model.layers[0].attn.wq_b.plugin
@@ -87,9 +91,11 @@ def test_site_parity_catches_a_wrong_binding(sm90_engine):
     moe.w2_q.copy_(moe.w2_q.roll(1, 0))             # experts' w2 shifted by one: a stacking bug
     lin = model.layers[3].attn.wo_b.plugin
     lin.w_s.view(torch.uint8)[0] += 1                # first 32 rows' scales doubled: a scale-layout bug
+    w13 = model.layers[1].ffn.shared_experts.w13_plugin
+    w13.w_q.copy_(w13.w_q.roll(32, 0))               # w1 and w3 rows misaligned at the seam
     ids = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     bad = {r["site"] for r in site_parity(model, ids) if r["rel"] > 0.1}
-    assert {"layers.2.ffn", "layers.3.attn.wo_b"} <= bad
+    assert {"layers.2.ffn", "layers.3.attn.wo_b", "layers.1.ffn.shared_experts.w13"} <= bad
 
 
 def test_reference_override_binds_nothing(sm90_engine):
@@ -110,7 +116,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
-        assert {r["kind"] for r in rows} == {"gemm", "moe", "mhc", "wo_a", "norm", "swiglu"}
+        assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "moe", "mhc", "wo_a", "norm", "swiglu"}
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 

@@ -66,8 +66,9 @@ def test_dense_gemm_shapes_v41(tp):
                              a.index_head_dim, a.moe_intermediate_size)
     table = {e.name: e.shape for e in tensor_table(a)}
     engram, main = table["layers.1.engram.wkv.weight"], table["mtp.0.main_proj.weight"]  # replicated
-    layers = {(q, D), (H * d // tp, q), (d, D), (D, a.o_groups * a.o_lora_rank // tp), (I // tp, D), (D, I // tp),
-              (ih * hd // tp, q), engram}  # wq_a, wq_b, wkv, wo_b, shared w1/w3, w2, indexer wq_b, engram wkv
+    layers = {(q, D), (H * d // tp, q), (d, D), (D, a.o_groups * a.o_lora_rank // tp), (2 * I // tp, D),
+              (D, I // tp), (ih * hd // tp, q), engram}  # wq_a, wq_b, wkv, wo_b, shared [w1; w3], w2, indexer wq_b,
+    # engram wkv
     shapes = dense_gemm_shapes(_engine(tp=tp))
     assert {(s["n"], s["k"]) for s in shapes} == layers | {main}
     assert len(shapes) == len(layers | {main})  # distinct
@@ -76,6 +77,7 @@ def test_dense_gemm_shapes_v41(tp):
     names = {n for s in shapes for n in s["names"]}
     assert "layers.0.attn.wq_b.weight" in names and "mtp.0.attn.wq_b.weight" in names
     assert not any(n.endswith("attn.wo_a.weight") for n in names)  # run by the WO-A plugin, not as a linear
+    assert not any(n.endswith("shared_experts.w3.weight") for n in names)   # stacked under w1's name
     (wq_b,) = [s for s in shapes if "layers.0.attn.wq_b.weight" in s["names"]]
     assert (wq_b["n"], wq_b["k"]) == (H // tp * d, q)
 
