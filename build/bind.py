@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from dsflash.build.gemm_shapes import stacks_w13
 from dsflash.model_def import dispatch
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
@@ -99,12 +100,6 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                                op, plugins[op])
     log.info("plugins bound: %s", bound)
     return bound
-
-
-def stacks_w13(rows: int) -> bool:
-    """Whether a shared expert's local w1 and w3 ([rows, D] each) run as one GEMM over [w1; w3]: when the 32-row
-    scale blocks do not straddle the seam (`gemm_shapes` asks the same)."""
-    return rows % GEMM_BLOCK == 0
 
 
 def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]]) -> dispatch.FP8Linear:

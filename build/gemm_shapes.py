@@ -16,6 +16,12 @@ NOT_LINEAR_SUFFIXES = ("attn.wo_a.weight",)
 SHARED_W13 = ("shared_experts.w1.weight", "shared_experts.w3.weight")
 
 
+def stacks_w13(rows: int) -> bool:
+    """Whether a shared expert's local w1 and w3 ([rows, D] each) run as one GEMM over [w1; w3] (`build.bind` binds
+    them so): when the 32-row scale blocks do not straddle the seam."""
+    return rows % GROUP32_BLOCK == 0
+
+
 def _is_dense_linear(name: str, role: str) -> bool:
     return role == "fp8_block" and not name.endswith(NOT_LINEAR_SUFFIXES)
 
@@ -41,7 +47,7 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
         if e.name not in cuts:
             continue
         n, k = cuts[e.name].shape(e.shape)
-        if e.name.endswith(SHARED_W13) and n % GROUP32_BLOCK == 0:   # one GEMM over [w1; w3] (`bind.stacks_w13`)
+        if e.name.endswith(SHARED_W13) and stacks_w13(n):   # one GEMM over [w1; w3]
             if e.name.endswith(SHARED_W13[1]):
                 continue
             n *= 2
