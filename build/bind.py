@@ -12,14 +12,14 @@ import logging
 
 import torch
 
-from dsflash.build.gemm_shapes import stacks_w13
-from dsflash.model_def import dispatch
+from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, gemm_blocks, stacks_w13
+from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
+from dsflash.plugins.refs import expand_weight_scales
 
 log = logging.getLogger("dsflash.bind")
-
-GEMM_BLOCK = 32   # the FP8 GEMM kernel's weight block (V4.1); V4's 128×128 blocks keep the reference
+ATTENTIONS = (Attention, v4.Attention)   # V4.1's and V4's: the same `_output` (sink attention, inverse RoPE, WO-A)
 
 
 def resolve_plugins(engine_plugins: dict, override: str | dict | None) -> dict:
@@ -40,7 +40,8 @@ def resolve_plugins(engine_plugins: dict, override: str | dict | None) -> dict:
 def wants_kernel_format(plugins: dict, args, entry) -> bool:
     """Whether the loader must keep this entry's quantized tensors for a plugin."""
     if entry.role == "fp8_block":
-        return plugins.get("gemm") == "fp8_gemm" and args.weight_block == GEMM_BLOCK
+        return (plugins.get("gemm") == "fp8_gemm" and gemm_blocks(args) is not None
+                and not entry.name.endswith(NOT_LINEAR_SUFFIXES))
     if entry.role == "mxfp4":
         return plugins.get("moe") == "mxfp4"
     return False
@@ -60,16 +61,19 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     if not model.numerics.deploy:
         raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
     bound = {op: 0 for op in plugins}
-    if plugins.get("gemm") == "fp8_gemm":
-        stacked = _bind_stacked_w13(model, kept)
+    if plugins.get("gemm") == "fp8_gemm" and gemm_blocks(args) is not None:
+        act_block, w_block = gemm_blocks(args)
+        stacked = _bind_stacked_w13(model, kept, act_block, w_block)
         bound["gemm"] += len(stacked) // 2
         for name, lin in _fp8_linears(model):
-            if name in stacked:
-                continue
             t = kept.get(f"{name}.weight")
-            if t is None:   # an entry without kernel-format tensors (e.g. V4's 128×128 blocks): counted below
+            if name in stacked or t is None:   # no kernel-format tensors: WO-A's weight (run as an einsum)
                 continue
-            lin.plugin = dispatch.FP8Linear(t["q"], t["s"], t.get("bf16"))
+            if t["q"].shape[1] % 32:
+                dispatch.warn_once(f"gemm-k:{t['q'].shape[1]}", "gemm plugin: K=%d is not a multiple of 32; those "
+                                   "linears run the reference", t["q"].shape[1])
+                continue
+            lin.plugin = fp8_linear_plugin(t, act_block, w_block)
             bound["gemm"] += 1
     if plugins.get("moe") == "mxfp4":
         bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size)
@@ -90,7 +94,7 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                 bound["swiglu"] += 1
     if plugins.get("wo_a") == "fused":
         for mod in model.modules():
-            if isinstance(mod, Attention):
+            if isinstance(mod, ATTENTIONS):
                 mod.wo_a.weight.data = mod.wo_a.weight.data.to(torch.bfloat16).contiguous()
                 mod.fused_wo_a = True
                 bound["wo_a"] += 1
@@ -102,28 +106,37 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     return bound
 
 
-def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]]) -> dispatch.FP8Linear:
-    """One `FP8Linear` over the row-stacked kernel tensors of `parts` ({"q", "s"(, "bf16")}, each a multiple of 32
-    rows); the BF16-cache copy only when every part has one."""
-    def rows(key: str) -> torch.Tensor:   # (1-byte float dtypes concatenated as bytes)
-        ts = [p[key] for p in parts]
+def fp8_linear_plugin(t: dict[str, torch.Tensor], act_block: int = 32, w_block: int = 32) -> dispatch.FP8Linear:
+    """The `FP8Linear` of one kept entry {"q", "s"(, "bf16")}: its `w_block`×`w_block` scales in the kernels' 32×32
+    format, activations quantized per 1×act_block."""
+    n, k = t["q"].shape
+    return dispatch.FP8Linear(t["q"], expand_weight_scales(t["s"], n, k, w_block), t.get("bf16"), act_block)
+
+
+def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]], act_block: int = 32,
+                       w_block: int = 32) -> dispatch.FP8Linear:
+    """One `FP8Linear` over the row-stacked kernel tensors of `parts` ({"q", "s"(, "bf16")}, each a multiple of
+    `w_block` rows); the BF16-cache copy only when every part has one."""
+    def rows(ts: list[torch.Tensor]) -> torch.Tensor:   # (1-byte float dtypes concatenated as bytes)
         if ts[0].element_size() == 1:
             return torch.cat([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
         return torch.cat(ts)
-    return dispatch.FP8Linear(rows("q"), rows("s"), rows("bf16") if all("bf16" in p for p in parts) else None)
+    scales = [expand_weight_scales(p["s"], *p["q"].shape, w_block) for p in parts]
+    bf16 = rows([p["bf16"] for p in parts]) if all("bf16" in p for p in parts) else None
+    return dispatch.FP8Linear(rows([p["q"] for p in parts]), rows(scales), bf16, act_block)
 
 
-def _bind_stacked_w13(model, kept) -> set[str]:
+def _bind_stacked_w13(model, kept, act_block: int, w_block: int) -> set[str]:
     """Each FP8 shared expert's w1 and w3 read the same input: bind one `FP8Linear` over [w1; w3] as the expert's
     `w13_plugin` (its BF16-cache copy stacked too). Returns the names of the linears it covers."""
     done: set[str] = set()
     for name, mod in model.named_modules():
-        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features)):
+        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features, w_block)):
             continue
         t1, t3 = kept.get(f"{name}.w1.weight"), kept.get(f"{name}.w3.weight")
-        if t1 is None or t3 is None:
+        if t1 is None or t3 is None or t1["q"].shape[1] % 32:
             continue
-        mod.w13_plugin = stacked_fp8_linear([t1, t3])
+        mod.w13_plugin = stacked_fp8_linear([t1, t3], act_block, w_block)
         done |= {f"{name}.w1", f"{name}.w3"}
     return done
 
@@ -205,7 +218,10 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, Block) and mod.hc_plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("mhc", n, m, (a[0].detach().clone(), a[1].detach().clone()))))
-        if isinstance(mod, Attention) and mod.fused_wo_a:
+        elif type(mod) is v4.Block and mod.hc_plugin is not None:   # (X, ids); MTP blocks: the same kernels
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("mhc_v4", n, m, (a[0].detach().clone(), a[1]))))
+        if isinstance(mod, ATTENTIONS) and mod.fused_wo_a:
             mod._output = _capturing(mod, mod._output, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
     try:
         with torch.no_grad():
@@ -214,7 +230,7 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         for h in hooks:
             h.remove()
         for mod in model.modules():
-            if isinstance(mod, Attention) and "_output" in mod.__dict__:
+            if isinstance(mod, ATTENTIONS) and "_output" in mod.__dict__:
                 del mod._output
     return [{"site": name, "kind": kind, "rel": _replay(kind, mod, payload)} for kind, name, mod, payload in captured]
 
@@ -255,17 +271,20 @@ class _PassThrough(torch.nn.Module):
         return torch.zeros_like(x) if self.zero else x
 
 
-# nested sites neutralised per replayed kind: the FFN inside a block, wo_b after WO-A, the shared expert in the MoE
-_NESTED = {"mhc": ("ffn", False), "wo_a": ("wo_b", False), "moe": ("shared_experts", True)}
+# nested sites neutralised per replayed kind (their names, and whether they contribute 0): the FFN (and for V4, whose
+# replay runs the whole block, the attention) inside a block, wo_b after WO-A, the shared expert in the MoE
+_NESTED = {"mhc": (("ffn",), False), "mhc_v4": (("attn", "ffn"), False), "wo_a": (("wo_b",), False),
+           "moe": (("shared_experts",), True)}
 
 
 def _replay(kind: str, mod, payload) -> float:
     ref = _reference_copy(mod)
     nested = _NESTED.get(kind)
     if nested:
-        saved = getattr(mod, nested[0])
+        saved = {name: getattr(mod, name) for name in nested[0]}
         for m in (mod, ref):
-            setattr(m, nested[0], _PassThrough(nested[1]))
+            for name in nested[0]:
+                setattr(m, name, _PassThrough(nested[1]))
     try:
         with torch.no_grad():
             if kind == "swiglu":
@@ -282,7 +301,11 @@ def _replay(kind: str, mod, payload) -> float:
                 got = mod(X, pre, lambda x: x, None)
                 want = ref(X.float(), pre.float(), lambda x: x, None)
                 return max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+            if kind == "mhc_v4":
+                X, ids = payload
+                return _rel(mod(X, ids, 0, {}), ref(X.float(), ids, 0, {}))
             return _rel(mod._output(*payload), ref._output(*(_f32(t) for t in payload)))
     finally:
         if nested:
-            setattr(mod, nested[0], saved)
+            for name, m in saved.items():
+                setattr(mod, name, m)

@@ -124,13 +124,27 @@ def to_layout(e: TensorEntry, ref: dict[str, torch.Tensor], layout: str, expert_
     return out
 
 
+# The plugin each op of a family's GPU engines takes (None: the last, fastest, of `PLUGIN_IMPLS`). V4 shares the FP8
+# linears (1×128 / 128×128 groups, read in the kernels' 32×32 scale format), the norms, the shared expert's SwiGLU,
+# WO-A and the mHC kernels (each site its own coefficients, so nothing to overlap: `fused`); its MoE (hash-routed
+# layers, 1×128 expert activations, which the fused expert kernels' 32-wide tiles cannot quantize) keeps the
+# reference.
+FAMILY_PLUGINS = {"v41": None,
+                  "v4": {"gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused"}}
+
+
 def default_plugins(arch: str, disabled: tuple[str, ...] = (), family: str = "v41") -> dict[str, str]:
-    """Per-op implementation: CPU engines run the plain-PyTorch references, V4.1 GPU engines the plugin kernels
-    (`disabled` ops keep the reference, like trtllm-build's `--gemm_plugin disable`). The kernels implement V4.1's
-    formats (group-32 FP8, its router and block); V4 engines record the references until V4 kernels exist."""
+    """Per-op implementation: CPU engines run the plain-PyTorch references, GPU engines the plugin kernels their
+    family's formats allow (`FAMILY_PLUGINS`; `disabled` ops keep the reference, like trtllm-build's
+    `--gemm_plugin disable`)."""
     from dsflash.model_def.dispatch import PLUGIN_IMPLS, REFERENCE
-    use = arch != "cpu" and family == "v41"
-    return {op: (impls[-1] if use and op not in disabled else REFERENCE) for op, impls in PLUGIN_IMPLS.items()}
+    chosen = FAMILY_PLUGINS[family]
+
+    def impl(op: str, impls: tuple[str, ...]) -> str:
+        if arch == "cpu" or op in disabled:
+            return REFERENCE
+        return impls[-1] if chosen is None else chosen.get(op, REFERENCE)
+    return {op: impl(op, impls) for op, impls in PLUGIN_IMPLS.items()}
 
 
 def default_dtype(arch: str) -> str:

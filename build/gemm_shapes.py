@@ -1,7 +1,8 @@
-"""The dense FP8 GEMM shapes an engine's rank runs, from engine.json alone (what `build` tunes the group-32 GEMM for).
+"""The dense FP8 GEMM shapes an engine's rank runs, from engine.json alone (what `build` tunes the FP8 GEMM for).
 
-Only V4.1's 32×32-block FP8 linears are group-32 GEMMs; V4's 128×128 blocks are another kernel's format, so a V4
-engine has none. `attn.wo_a` is stored as FP8 but run by the WO-A plugin, not as an FP8 linear, so it is left out.
+V4.1's linears have 32×32 weight blocks and 1×32 activation groups, V4's 128×128 and 1×128; the GEMM kernels read
+both (V4's scales expanded to the 32×32 format). `attn.wo_a` is stored as FP8 but run as a BF16 einsum (or by the
+WO-A plugin), not as an FP8 linear, so it is left out.
 """
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import tensor_table
 
 GROUP32_BLOCK = 32
+GEMM_BLOCKS = {32: (32, 32), 128: (128, 128)}   # weight block -> (activation group, weight block) the kernels take
 NOT_LINEAR_SUFFIXES = ("attn.wo_a.weight",)
 SHARED_W13 = ("shared_experts.w1.weight", "shared_experts.w3.weight")
 
 
-def stacks_w13(rows: int) -> bool:
+def gemm_blocks(args) -> tuple[int, int] | None:
+    """(activation group, weight block) of a model's FP8 linears when the GEMM kernels take them (V4.1: 32, 32;
+    V4: 128, 128), else None."""
+    if args.act_block != args.weight_block:
+        return None
+    return GEMM_BLOCKS.get(args.weight_block)
+
+
+def stacks_w13(rows: int, w_block: int = GROUP32_BLOCK) -> bool:
     """Whether a shared expert's local w1 and w3 ([rows, D] each) run as one GEMM over [w1; w3] (`build.bind` binds
-    them so): when the 32-row scale blocks do not straddle the seam."""
-    return rows % GROUP32_BLOCK == 0
+    them so): when the weight's scale blocks do not straddle the seam."""
+    return rows % w_block == 0
 
 
 def _is_dense_linear(name: str, role: str) -> bool:
@@ -27,7 +37,8 @@ def _is_dense_linear(name: str, role: str) -> bool:
 
 
 def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
-    """Distinct local (N, K) of the group-32 FP8 linears `rank` runs: [{"n", "k", "bf16_cache", "names"}], sorted.
+    """Distinct local (N, K) of the FP8 linears `rank` runs: [{"n", "k", "group", "bf16_cache", "names"}], sorted
+    (group: the activation quantization block, 32 or V4's 128).
 
     A shared expert's w1 and w3 count once, as their stacked [2·I_local, D] (the engine binds them as one GEMM).
     bf16_cache: some tensor of that shape has a `.weight_bf16` copy in this engine (hopper layout and
@@ -35,8 +46,9 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
     sharing a `layers.*` shape) run the FP8 path with the bucket's best FP8 config (`tune.gemm_table`).
     """
     args = args_from_hf_dict(engine["model"], "engine.json")
-    if args.weight_block != GROUP32_BLOCK:
+    if gemm_blocks(args) is None:
         return []
+    w_block = gemm_blocks(args)[1]
     # plan only the dense FP8 entries: the experts' cuts (most of the table) do not matter here
     table = [e for e in tensor_table(args) if _is_dense_linear(e.name, e.role)]
     mapping = Mapping.from_dict(engine["mapping"]).for_rank(rank)
@@ -47,11 +59,14 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
         if e.name not in cuts:
             continue
         n, k = cuts[e.name].shape(e.shape)
-        if e.name.endswith(SHARED_W13) and stacks_w13(n):   # one GEMM over [w1; w3]
+        if k % GROUP32_BLOCK:   # bound to no kernel (`build.bind`)
+            continue
+        if e.name.endswith(SHARED_W13) and stacks_w13(n, w_block):   # one GEMM over [w1; w3]
             if e.name.endswith(SHARED_W13[1]):
                 continue
             n *= 2
-        s = shapes.setdefault((n, k), {"n": n, "k": k, "bf16_cache": False, "names": []})
+        s = shapes.setdefault((n, k), {"n": n, "k": k, "group": gemm_blocks(args)[0], "bf16_cache": False,
+                                       "names": []})
         s["names"].append(e.name)
         s["bf16_cache"] |= hopper and bf16_cache_eligible(e, args)
     return [shapes[nk] for nk in sorted(shapes)]

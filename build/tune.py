@@ -9,8 +9,9 @@ match the reference is listed under "failed" and never chosen. "skipped" names w
 device this machine lacks (e.g. an sm90 engine built on a CPU machine), buckets left when the time budget ran out,
 or buckets where every candidate failed; serve then uses the defaults and logs each fallback.
 
-Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the group-32 FP8
-GEMM per local dense linear shape, bucket {"n", "k", "m", "bf16_cache"}, config {"path": "fp8", "config":
+Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the FP8 GEMM per
+local dense linear shape, bucket {"n", "k", "m", "bf16_cache"; "group": 128 for V4's 1×128 / 128×128 scale groups},
+config {"path": "fp8", "config":
 GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where the engine holds `.weight_bf16`).
 `gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input. And for sm90 engines that bind the
 MoE plugin, "moe": the MXFP4 expert kernels' tiles per local expert shape, bucket {"e", "inter" (padded), "inter_valid",
@@ -100,15 +101,17 @@ def _fp8_gemm_buckets(engine: dict) -> list[dict]:
     # rank 0 stands for all: TP cuts are even (split_range), so every rank runs the same dense shapes
     shapes = dense_gemm_shapes(engine, 0)
     # by M first: decode buckets, the most config-sensitive, are tuned before a time budget can run out
-    return [{"n": s["n"], "k": s["k"], "m": m, "bf16_cache": s["bf16_cache"]}
+    # "group" only where it is not V4.1's 32, so V4.1 buckets keep their tuned.json form
+    return [{"n": s["n"], "k": s["k"], "m": m, "bf16_cache": s["bf16_cache"],
+             **({"group": s["group"]} if s["group"] != 32 else {})}
             for m in _m_buckets_for(engine) for s in shapes]
 
 
 def _fp8_gemm_candidates(bucket: dict) -> list[dict]:
     from dsflash.plugins import tuning
     # engines hold the plain [N, K] weight, not a per-config re-tiled copy: `tiled_w` configs cannot run in serve
-    out = [{"path": "fp8", "config": c.to_dict()} for c in tuning.candidates(bucket["n"], bucket["k"], bucket["m"])
-           if not c.tiled_w]
+    out = [{"path": "fp8", "config": c.to_dict()}
+           for c in tuning.candidates(bucket["n"], bucket["k"], bucket["m"], bucket.get("group", 32)) if not c.tiled_w]
     if bucket["bf16_cache"]:
         out.append({"path": "bf16cache"})
     return out
@@ -119,12 +122,13 @@ class _GemmInputs:
     quantized weights, BF16 activations, and lazily the BF16 weight copies and the fp32 reference output (shared by
     all candidates of a bucket)."""
 
-    def __init__(self, n: int, k: int, m: int):
+    def __init__(self, n: int, k: int, m: int, group: int = 32):
         from dsflash.plugins import refs
         from dsflash.plugins.timing import input_sets
         sets = input_sets(n * k + m * k)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        self.ws = [refs.quant_weight_fp8_ref(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+        self.group = group
+        self.ws = [refs.quant_weight_fp8_ref(torch.randn(n, k, device="cuda", generator=gen) * 0.02, group)
                    for _ in range(sets)]
         self.xs = [(torch.randn(m, k, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
         self._w16: list[torch.Tensor] | None = None
@@ -139,13 +143,14 @@ class _GemmInputs:
     def ref(self) -> torch.Tensor:
         from dsflash.plugins import refs
         if self._ref is None:
-            self._ref = refs.fp8_gemm_ref(*refs.act_quant_ref(self.xs[0]), *self.ws[0], torch.float32)
+            self._ref = refs.fp8_gemm_ref(*refs.act_quant_ref(self.xs[0], block=self.group), *self.ws[0],
+                                          torch.float32)
         return self._ref
 
 
 @functools.lru_cache(maxsize=1)  # one bucket's inputs at a time: full-size weights are hundreds of MB per set
-def _gemm_inputs(n: int, k: int, m: int) -> _GemmInputs:
-    return _GemmInputs(n, k, m)
+def _gemm_inputs(n: int, k: int, m: int, group: int = 32) -> _GemmInputs:
+    return _GemmInputs(n, k, m, group)
 
 
 class _Rotation:
@@ -161,14 +166,15 @@ class _Rotation:
 def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
     from dsflash.plugins.fp8_gemm import bf16_cache_gemm
     from dsflash.plugins.tuning import GemmConfig
-    inp = _gemm_inputs(bucket["n"], bucket["k"], bucket["m"])
+    group = bucket.get("group", 32)
+    inp = _gemm_inputs(bucket["n"], bucket["k"], bucket["m"], group)
     # both paths timed as `dsflash::fp8_linear` runs them in serve: from the BF16 activation, quantization included
     if cand["path"] == "bf16cache":
-        calls = [functools.partial(bf16_cache_gemm, x, w) for x, w in zip(inp.xs, inp.w16())]
+        calls = [functools.partial(bf16_cache_gemm, x, w, act_block=group) for x, w in zip(inp.xs, inp.w16())]
     else:
         from dsflash.plugins.registry import fp8_linear_config
         cfg = GemmConfig.from_dict(cand["config"])
-        calls = [functools.partial(fp8_linear_config, x, *w, cfg) for x, w in zip(inp.xs, inp.ws)]
+        calls = [functools.partial(fp8_linear_config, x, *w, cfg, group) for x, w in zip(inp.xs, inp.ws)]
     return _verified(calls, inp.ref, GEMM_REL_TOL)
 
 

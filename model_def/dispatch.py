@@ -20,7 +20,7 @@ log = logging.getLogger("dsflash.dispatch")
 
 REFERENCE = "reference"
 PLUGIN_IMPLS = {
-    "gemm": (REFERENCE, "fp8_gemm"),     # group-32 FP8 dense linears: FP8 GEMM or BF16-cache GEMM, per tuned.json
+    "gemm": (REFERENCE, "fp8_gemm"),     # FP8 dense linears (V4.1 and V4): FP8 GEMM or BF16-cache GEMM, per tuned.json
     "moe": (REFERENCE, "mxfp4"),         # router + MXFP4 routed experts + shared-expert add
     # mHC coefficients, collapse + norm, expand (+ next collapse + norm); `fused_overlap` also computes each site's
     # coefficients on a second CUDA stream while the attention or MoE runs (seed post §3.1)
@@ -57,17 +57,20 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class FP8Linear(nn.Module):
-    """Plugin of a group-32 FP8 `Linear`: e4m3 [N, K] + e8m0 32×32 scales, and the BF16-cache copy when the engine
-    holds one; `dsflash::fp8_linear` picks the FP8 or the BF16-cache GEMM from the tuned table (logged fallback)."""
+    """Plugin of an FP8 `Linear`: e4m3 [N, K] + e8m0 scales in the kernels' 32×32 format (V4's 128×128 blocks
+    expanded), and the BF16-cache copy when the engine holds one; `dsflash::fp8_linear` quantizes the activation per
+    1×act_block (32: V4.1, 128: V4) and picks the FP8 or the BF16-cache GEMM from the tuned table (logged
+    fallback)."""
 
-    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, w_bf16: torch.Tensor | None):
+    def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, w_bf16: torch.Tensor | None, act_block: int = 32):
         super().__init__()
         self.register_buffer("w_q", w_q.contiguous())
         self.register_buffer("w_s", w_s.contiguous())
         self.register_buffer("w_bf16", None if w_bf16 is None else w_bf16.to(torch.bfloat16).contiguous())
+        self.act_block = act_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16)   # [T, N] bf16
+        y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16, self.act_block)   # [T, N] bf16
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -130,7 +130,12 @@ def _hadamard_matrix(n: int) -> torch.Tensor:
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of the last dim (Sylvester order, scale n^-0.5)."""
-    return (x.float() @ _hadamard_matrix(x.shape[-1])).to(x.dtype)
+    return (x.float() @ _hadamard_on(x.shape[-1], x.device)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
+    return _hadamard_matrix(n).to(device)
 
 
 # -- weight formats: dequantization -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsflash.model_def import dispatch
 from dsflash.model_def.config import V4Args
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
@@ -288,6 +289,7 @@ class Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(H * d // g, g * ol, numerics, mapping, "fp8", dtype=dtype)
         self.wo_b = RowParallelLinear(g * ol, D, numerics, mapping, comm, "fp8", dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.fused_wo_a = False   # set by an engine loader: `_output` runs the WO-A plugin
         self.compressor = Compressor(args, self.ratio, d, numerics, "kv", dtype) if self.ratio else None
         self.indexer = Indexer(args, numerics, mapping, comm, dtype) if self.ratio == OVERLAP_RATIO else None
         if self.ratio:
@@ -333,8 +335,18 @@ class Attention(nn.Module):
                 sel = (torch.arange(T, device=dev) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
             keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
             allowed = torch.cat([allowed, sel], -1)
+        return self._output(q, keys, allowed, pos.expand(B, S), f)
+
+    def _output(self, q, keys, allowed, positions, inv):
+        """Sink attention, inverse RoPE at the query positions [B,S], the grouped `wo_a` and `wo_b` -> [B,S,D]."""
         o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)  # [B,S,h,d]
-        o = apply_rope(o, pos.expand(B, S), f, inverse=True)
+        if self.fused_wo_a:   # inverse RoPE + grouped projection in one kernel (the WO-A plugin)
+            b, s = o.shape[:2]
+            cos, sin = dispatch.rope_cos_sin(positions, inv)
+            z = dispatch.ops().wo_a(o.reshape(b * s, *o.shape[2:]).to(torch.bfloat16).contiguous(), cos, sin,
+                                    self.wo_a.weight)
+            return self.wo_b(z.view(b, s, -1).to(o.dtype))
+        o = apply_rope(o, positions, inv, inverse=True)
         o = o.flatten(2).unflatten(-1, (self.n_groups, -1))  # [B,S,g,h/g*d]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         z = torch.einsum("bsgi,goi->bsgo", o, wo_a.to(o.dtype))
@@ -413,6 +425,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * D)))
             setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n)))
             setattr(self, f"hc_{site}_scale", nn.Parameter(torch.zeros(3)))
+        self.hc_plugin: nn.Module | None = None   # dispatch.FusedHC, attached by an engine loader
 
     def _hc(self, X: torch.Tensor, site: str):
         return hc_mix(X.flatten(-2), getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
@@ -420,10 +433,30 @@ class Block(nn.Module):
 
     def forward(self, X: torch.Tensor, ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
         # X: [B,S,n,D]
+        if self.hc_plugin is not None:
+            return self._forward_fused_hc(X, ids, pos0, st)
         pre, post, comb = self._hc(X, "attn")
         X = hc_expand(X, self.attn(self.attn_norm(hc_collapse(X, pre)), pos0, st), post, comb)
         pre, post, comb = self._hc(X, "ffn")
         return hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids), post, comb)
+
+    def _forward_fused_hc(self, X: torch.Tensor, ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+        """The same block with the mHC plugin's kernels: per site the coefficients, the collapse + norm, and the
+        expand. V4's sites use their own `pre` (no lag), computed from the streams the previous expand wrote, so
+        neither the next collapse fuses into the expand nor the coefficients move off the critical path (V4.1's
+        `fused_overlap`)."""
+        op, hc = dispatch.ops(), self.hc_plugin
+        b, s, n, d = X.shape
+        Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
+        for site, norm, run in (("attn", self.attn_norm, lambda x: self.attn(x, pos0, st)),
+                                ("ffn", self.ffn_norm, lambda x: self.ffn(x, ids))):
+            pre, post, comb = op.hc_mix(Xf.view(b * s, n * d), getattr(self, f"hc_{site}_fn"),
+                                        getattr(hc, f"{site}_split"), getattr(self, f"hc_{site}_base"),
+                                        getattr(self, f"hc_{site}_scale"), self.iters, self.hc_eps, self.eps)
+            x = op.hc_pre(Xf, pre, norm.weight, self.eps)
+            fx = run(x.view(b, s, d).to(X.dtype)).reshape(b * s, d).to(torch.bfloat16).contiguous()
+            Xf = op.hc_post(Xf, fx, post, comb)
+        return Xf.view(b, s, n, d).to(X.dtype)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,

@@ -1,4 +1,5 @@
-"""Fused per-1×32 FP8 activation quantization (pow2 scales), optionally with the preceding RMSNorm (norm -> quant).
+"""Fused per-1×32 (V4.1) or per-1×128 (V4) FP8 activation quantization (pow2 scales), optionally with the
+preceding RMSNorm (norm -> quant). Scales come one per 32 columns either way (a 128-group's scale repeated).
 
 One program per row; the row is walked in chunks of CHUNK_G×32 elements. With a norm, pass 1 sums squares and pass 2
 re-reads the (L1/L2-resident) row, normalises, rounds to the activation dtype as the reference does, and quantizes.
@@ -14,14 +15,19 @@ import triton
 import triton.language as tl
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
-    act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, rmsnorm_ref, E4M3, E8M0, QBLOCK)
+    ACT_BLOCKS, act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, rmsnorm_ref, E4M3, E8M0, QBLOCK)
 from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 
 @triton.jit
-def _quant_g32(v):
-    """v [G, 32] fp32 -> (q e4m3 [G, 32], scale exponent e int32 [G]); scale = 2^e."""
-    e = scale_exp(tl.max(tl.abs(v), axis=1))
+def _quant_g32(v, G: tl.constexpr = 1, GB: tl.constexpr = 1):
+    """v [G, 32] fp32 -> (q e4m3 [G, 32], scale exponent e int32 [G]); scale = 2^e. GB > 1: one scale per GB
+    consecutive 32-blocks (the 1×128 groups of V4: G a multiple of GB, groups aligned to the chunk)."""
+    amax = tl.max(tl.abs(v), axis=1)
+    if GB > 1:
+        grp = tl.max(tl.reshape(amax, (G // GB, GB)), axis=1)
+        amax = tl.reshape(tl.broadcast_to(grp[:, None], (G // GB, GB)), (G,))
+    e = scale_exp(amax)
     q = tl.minimum(tl.maximum(v * exp2i(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
     return q, e
 
@@ -56,7 +62,7 @@ def _act_quant_kernel(
     stride_x, stride_y, stride_q, stride_s, stride_dq,
     eps,
     HAS_NORM: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr,
-    SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr, CODES16: tl.constexpr = False,
+    SCALE_E8M0: tl.constexpr, CHUNK_G: tl.constexpr, CODES16: tl.constexpr = False, GB: tl.constexpr = 1,
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, CHUNK_G)
@@ -80,7 +86,7 @@ def _act_quant_kernel(
             v = ((v * r) * wv).to(x_ptr.dtype.element_ty).to(tl.float32)
             if WRITE_Y:
                 tl.store(y_ptr + row * stride_y + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
-        q, e = _quant_g32(v)
+        q, e = _quant_g32(v, CHUNK_G, GB)   # (masked columns past K are 0: a short last group, as zero padding)
         kg = k0 // 32 + g
         gmask = kg < K // 32
         if WRITE_Q:
@@ -94,9 +100,14 @@ def _act_quant_kernel(
                      mask=mask)
 
 
-def _chunk(k: int) -> tuple[int, int]:
-    g = min(triton.next_power_of_2(k // QBLOCK), 256)
+def _chunk(k: int, block: int) -> tuple[int, int]:
+    g = max(min(triton.next_power_of_2(k // QBLOCK), 256), block // QBLOCK)
     return g, (4 if g <= 64 else 8)
+
+
+def _group_blocks(block: int) -> int:
+    assert block in ACT_BLOCKS, f"activation block {block}: the kernels quantize per 1x32 (V4.1) or 1x128 (V4)"
+    return block // QBLOCK
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +119,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: bool, write_q: bool,
-            write_dq: bool, scale_fmt: str, codes16: bool = False):
+            write_dq: bool, scale_fmt: str, codes16: bool = False, block: int = QBLOCK):
     assert scale_fmt in ("fp32", "e8m0"), scale_fmt
+    gb = _group_blocks(block)
     x2 = _rows(x)
     m, k = x2.shape
     lead = x.shape[:-1]
@@ -122,7 +134,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: b
          if write_q else None)
     dq = torch.empty((m, k), dtype=x.dtype, device=dev) if write_dq else None
     dummy = x2
-    cg, warps = _chunk(k)
+    cg, warps = _chunk(k, block)
     if m > 0:
         _act_quant_kernel[(m,)](
             x2, weight if weight is not None else dummy, y if y is not None else dummy,
@@ -131,24 +143,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, write_y: b
             x2.stride(0), k, k, k // QBLOCK, k,
             float(eps),
             HAS_NORM=weight is not None, WRITE_Y=write_y, WRITE_Q=write_q, WRITE_DQ=write_dq,
-            SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=cg, CODES16=codes16, num_warps=warps)
+            SCALE_E8M0=scale_fmt == "e8m0", CHUNK_G=cg, CODES16=codes16, GB=gb, num_warps=warps)
     if s is not None and scale_fmt == "e8m0":
         s = s.view(E8M0)
     shp = lambda t, last: None if t is None else t.reshape(*lead, last)  # noqa: E731
     return shp(y, k), shp(q, k), shp(s, k // QBLOCK), shp(dq, k)
 
 
-def act_quant(x: torch.Tensor, scale_fmt: str = "fp32", codes16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] bf16/fp16/fp32 (K % 32 == 0, last dim contiguous) -> (e4m3 [..., K], scales [..., K/32] fp32|e8m0).
+def act_quant(x: torch.Tensor, scale_fmt: str = "fp32", codes16: bool = False, block: int = QBLOCK
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] bf16/fp16/fp32 (K % 32 == 0, last dim contiguous) -> (e4m3 [..., K], scales [..., K/32] fp32|e8m0),
+    one pow2 scale per 1×`block` (32 or 128; a ragged last group as `act_quant_ref`).
     codes16: the codes as f16 values × 2^-8 instead of e4m3 (`codes16_ref`; what `GemmConfig.acc16` GEMVs read)."""
-    _, q, s, _ = _launch(x, None, 0.0, False, True, False, scale_fmt, codes16)
+    _, q, s, _ = _launch(x, None, 0.0, False, True, False, scale_fmt, codes16, block)
     return q, s
 
 
-def rmsnorm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fmt: str = "fp32"
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm (weight [K] fp32|bf16) -> round to x.dtype -> FP8 1×32. Returns (y [..., K] x.dtype, q, scales)."""
-    y, q, s, _ = _launch(x, weight, eps, True, True, False, scale_fmt)
+def rmsnorm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fmt: str = "fp32",
+                      block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm (weight [K] fp32|bf16) -> round to x.dtype -> FP8 1×`block`. Returns (y [..., K] x.dtype, q, scales)."""
+    y, q, s, _ = _launch(x, weight, eps, True, True, False, scale_fmt, block=block)
     return y, q, s
 
 
@@ -158,7 +172,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, weight, eps, True, False, False, "fp32")[0]
 
 
-def act_quant_dequant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """(optional RMSNorm ->) FP8 1×32 quantize -> dequantize to x.dtype: the BF16-cache GEMM's activation."""
-    _, _, _, dq = _launch(x, weight, eps, False, False, True, "fp32")
+def act_quant_dequant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,
+                      block: int = QBLOCK) -> torch.Tensor:
+    """(optional RMSNorm ->) FP8 1×`block` quantize -> dequantize to x.dtype: the BF16-cache GEMM's activation."""
+    _, _, _, dq = _launch(x, weight, eps, False, False, True, "fp32", block=block)
     return dq

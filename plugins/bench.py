@@ -1,12 +1,13 @@
 """Kernel benchmark (`make bench-kernels`, GPU): every plugin against its reference path and the measured ceilings.
 
-    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a] [--ms 1,3,8,64,257,4096]
-                                    [--merge]   (replace only the rows of the sections run, keep the file's others)
+    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4]
+                                    [--ms 1,3,8,64,257,4096]
+                                    [--merge]   (replace only the rows of the sections and M run, keep the file's others)
 
 One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
 GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
 the op), the reference path's time in the same run and the speedup, and ‖Δ‖/‖ref‖ parity. V4.1-Flash shapes for TP1
-and one TP8 rank. The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are measured
+and one TP8 rank; `gemm_v4`: the FP8 GEMM at V4-Flash shapes with its 1×128 / 128×128 groups (rows "v4_..."). The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are measured
 in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cache) in tuned.json's format.
 """
 from __future__ import annotations
@@ -44,11 +45,24 @@ GEMM_SHAPES = [
     ("shexp_w13", 576, 5120, "tp8"),
     ("shexp_w2", 5120, 288, "tp8"),
 ]
+# V4-Flash (1×128 activation groups, 128×128 weight blocks): the `gemm_v4` section, rows prefixed "v4_"
+GEMM_V4_SHAPES = [
+    ("wq_a", 1024, 4096, "tp1/tp8"),
+    ("wq_b", 32768, 1024, "tp1"),
+    ("wo_b", 4096, 8192, "tp1"),
+    ("shexp_w13", 4096, 4096, "tp1"),
+    ("shexp_w2", 4096, 2048, "tp1"),
+    ("wq_b", 4096, 1024, "tp8"),
+    ("wo_b", 4096, 1024, "tp8"),
+    ("shexp_w13", 512, 4096, "tp8"),
+    ("shexp_w2", 4096, 256, "tp8"),
+]
 
 
 # op-name prefixes of each section's rows (for --merge)
 SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act"),
-               "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",)}
+               "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",),
+               "gemm_v4": ("v4_",)}
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -221,20 +235,23 @@ def bench_mhc(ceil: dict, ms: list[int]) -> list[dict]:
     return rows
 
 
-def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: set[str] | None = None) -> list[dict]:
+def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: set[str] | None = None,
+               shapes: list = GEMM_SHAPES, group: int = 32) -> list[dict]:
+    """The FP8 GEMM rows: V4.1 (group 32) or, with group 128 and GEMM_V4_SHAPES, V4 (ops prefixed "v4_")."""
     from dsflash.plugins.act_quant import act_quant_dequant
     from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm, tile_weight
     from dsflash.plugins.registry import device_arch
+    pre = "" if group == 32 else "v4_"
     rows = []
     one = torch.ones((), device=DEV)
     # decode and large-M first (the targets), should the time budget run out
     order = sorted(ms, key=lambda m: (0 if m in (1, 8) else 1 if m >= 4096 else 2, m))
     for m in order:
-        for name, n, k, tp in GEMM_SHAPES:
+        for name, n, k, tp in shapes:
             if only and f"{name}[{tp}]" not in only:
                 continue
             if time.time() > deadline:
-                rows.append({"op": "fp8_gemm", "shape": f"{name}:{n}x{k}", "M": m, "error": "skipped: time budget"})
+                rows.append({"op": pre + "fp8_gemm", "shape": f"{name}:{n}x{k}", "M": m, "error": "skipped: time budget"})
                 continue
             shape = f"{name}[{tp}] {n}x{k}"
             try:
@@ -243,23 +260,24 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                 n_sets = input_sets(nb_w + m * k)
                 ws = []
                 for _ in range(n_sets):
-                    w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02)
+                    w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02, group)
                     ws.append((w_q, w_s))
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
-                acts = [refs.act_quant_ref(x) for x in xs]
+                acts = [refs.act_quant_ref(x, block=group) for x in xs]
                 acts16 = [(refs.codes16_ref(q), s) for q, s in acts]   # what acc16 GEMVs read
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
                 flops = 2 * m * n * k
                 # reference path: torch fake-quant + F.linear on the dequantized BF16 weight (what model_def runs)
                 w16 = [bf16_cache_weight(*wp) for wp in ws]
-                ref_us, _ = graph_time_us([lambda i=i: torch.nn.functional.linear(refs.act_fake_quant_ref(xs[i]), w16[i])
-                                            for i in range(n_sets)])
+                ref_us, _ = graph_time_us([lambda i=i: torch.nn.functional.linear(refs.act_fake_quant_ref(xs[i], group),
+                                                                                  w16[i]) for i in range(n_sets)])
                 # FP8 kernel: every candidate config
                 best = default_row = None
-                dflt_cfg = tuning.default_config(n, k, m, device_arch(torch.device(DEV, torch.cuda.current_device())))
+                dflt_cfg = tuning.default_config(n, k, m, device_arch(torch.device(DEV, torch.cuda.current_device())),
+                                                 group)
                 tried = []
                 tiled = {}
-                for cfg in tuning.candidates(n, k, m):
+                for cfg in tuning.candidates(n, k, m, group):
                     if cfg.quant_in_kernel:   # takes the bf16 activation: timed in benchmarks/decode_chain.py
                         continue
                     try:
@@ -268,15 +286,16 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                             tiled[layout] = [tile_weight(wp[0], cfg) for wp in ws]
                         wt = tiled[layout] if cfg.tiled_w else [None] * n_sets
                         a = acts16 if cfg.acc16 else acts
-                        out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0])
+                        out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0], group=group)
                         err = refs.rel_err(out, ref32)
-                        us, how = graph_time_us([lambda i=i, c=cfg, wt=wt, a=a: fp8_gemm(*a[i], *ws[i], c, w_tiled=wt[i])
+                        us, how = graph_time_us([lambda i=i, c=cfg, wt=wt, a=a: fp8_gemm(*a[i], *ws[i], c, w_tiled=wt[i],
+                                                                                         group=group)
                                                   for i in range(n_sets)])
                     except Exception as e:  # a config that fails to compile/launch is reported, not fatal
-                        rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),
+                        rows.append({"op": pre + "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),
                                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
                         continue
-                    cand = _row("fp8_gemm", shape, m, us, ref_us, nbytes, flops, ceil, err, rate="fp8",
+                    cand = _row(pre + "fp8_gemm", shape, m, us, ref_us, nbytes, flops, ceil, err, rate="fp8",
                                 config=cfg.tag(), cfg=cfg.to_dict(), default=cfg == dflt_cfg,
                                 timing=how, weight_MB=nb_w / 1e6)
                     tried.append([cfg.tag(), round(us, 2), err])
@@ -287,30 +306,30 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                 if best is None:
                     raise RuntimeError("no FP8 GEMM config ran")
                 # BF16-cache path: fused quantize/dequantize kernel + cuBLAS BF16
-                out16 = torch.matmul(act_quant_dequant(xs[0]), w16[0].t())
+                out16 = torch.matmul(act_quant_dequant(xs[0], block=group), w16[0].t())
                 err16 = refs.rel_err(out16, ref32)
-                us16, how = graph_time_us([lambda i=i: torch.matmul(act_quant_dequant(xs[i]), w16[i].t())
+                us16, how = graph_time_us([lambda i=i: torch.matmul(act_quant_dequant(xs[i], block=group), w16[i].t())
                                             for i in range(n_sets)])
                 nbytes16 = 2 * n * k + m * k * 2 * 3 + m * n * 2
-                rows.append(best | {"op": "fp8_gemm[tuned]", "candidates": tried})
+                rows.append(best | {"op": pre + "fp8_gemm[tuned]", "candidates": tried})
                 if not best["default"] and default_row is not None:
-                    rows.append(default_row | {"op": "fp8_gemm[default]"})
-                rows.append(_row("bf16_cache_gemm", shape, m, us16, ref_us, nbytes16, flops, ceil, err16, rate="bf16",
-                                 timing=how, weight_MB=2 * n * k / 1e6))
+                    rows.append(default_row | {"op": pre + "fp8_gemm[default]"})
+                rows.append(_row(pre + "bf16_cache_gemm", shape, m, us16, ref_us, nbytes16, flops, ceil, err16,
+                                 rate="bf16", timing=how, weight_MB=2 * n * k / 1e6))
                 # ceiling at the same shape: torch._scaled_mm (per-tensor scales), where cuBLAS takes the shape
                 if m % 16 == 0:
                     a8 = torch.randn(m, k, device=DEV).to(torch.float8_e4m3fn)
                     smm_us, _ = graph_time_us([lambda i=i: torch._scaled_mm(a8, ws[i][0].t(), scale_a=one, scale_b=one,
                                                                              out_dtype=torch.bfloat16)
                                                 for i in range(n_sets)])
-                    rows.append(_row("scaled_mm(fp8 ceiling)", shape, m, smm_us, None, nbytes, flops, ceil, None,
+                    rows.append(_row(pre + "scaled_mm(fp8 ceiling)", shape, m, smm_us, None, nbytes, flops, ceil, None,
                                      rate="fp8") | {"fp8_gemm_vs_scaled_mm": smm_us / best["us"]})
                 path = "fp8" if best["us"] <= us16 else "bf16cache"
-                tuned[tuning.key_str(n, k, tuning.m_bucket(m))] = {"path": path, "config": best["cfg"],
-                                                                   "fp8_us": best["us"], "bf16cache_us": us16}
+                tuned[pre + tuning.key_str(n, k, tuning.m_bucket(m))] = {"path": path, "config": best["cfg"],
+                                                                         "fp8_us": best["us"], "bf16cache_us": us16}
                 del ws, xs, acts, w16, tiled
             except Exception as e:
-                rows.append({"op": "fp8_gemm", "shape": shape, "M": m, "error": f"{type(e).__name__}: {e}",
+                rows.append({"op": pre + "fp8_gemm", "shape": shape, "M": m, "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc()[-2000:]})
             torch.cuda.empty_cache()
     return rows
@@ -511,18 +530,19 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
 
 # -- report -----------------------------------------------------------------------------------------------------------
 def targets(rows: list[dict]) -> dict:
-    dec, big, site = [], [], []
+    dec, big, site, v4_dec, v4_big = [], [], [], [], []
     by_key = {}
     for r in rows:
         if "error" in r:
             continue
         by_key[(r["op"], r["shape"], r["M"])] = r
     for (op, shape, m), r in by_key.items():
-        if op == "fp8_gemm[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16:
-            dec.append({"shape": shape, "M": m, "pct_copy_bw": r["pct_copy_bw"], "pass": r["pct_copy_bw"] >= 60})
-        if op == "scaled_mm(fp8 ceiling)" and m >= 4096:
-            big.append({"shape": shape, "M": m, "ratio": r["fp8_gemm_vs_scaled_mm"],
-                        "pass": r["fp8_gemm_vs_scaled_mm"] >= 0.7})
+        for pre, d, b in (("", dec, big), ("v4_", v4_dec, v4_big)):
+            if op == pre + "fp8_gemm[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16:
+                d.append({"shape": shape, "M": m, "pct_copy_bw": r["pct_copy_bw"], "pass": r["pct_copy_bw"] >= 60})
+            if op == pre + "scaled_mm(fp8 ceiling)" and m >= 4096:
+                b.append({"shape": shape, "M": m, "ratio": r["fp8_gemm_vs_scaled_mm"],
+                          "pass": r["fp8_gemm_vs_scaled_mm"] >= 0.7})
         if op == "mhc_site":
             site.append({"M": m, "speedup": r["speedup"], "pass": r["speedup"] >= 3})
     moe = [{"op": op, "shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
@@ -534,7 +554,8 @@ def targets(rows: list[dict]) -> dict:
            for (op, shape, m), r in by_key.items() if op == "wo_a[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16]
     return {"decode_gemm_ge16MB_ge60pct_copy_bw": dec, "large_m_fp8_ge70pct_scaled_mm": big,
             "fused_mhc_ge3x_unfused": site, "decode_moe_ge16MB_ge60pct_copy_bw": moe,
-            "decode_wo_a_ge16MB_ge60pct_copy_bw": woa}
+            "decode_wo_a_ge16MB_ge60pct_copy_bw": woa, "v4_decode_gemm_ge16MB_ge60pct_copy_bw": v4_dec,
+            "v4_large_m_fp8_ge70pct_scaled_mm": v4_big}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -556,9 +577,10 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the results JSON here")
-    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a")
+    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a,gemm_v4")
     ap.add_argument("--merge", action="store_true",
-                    help="merge into the existing --out file: replace only the rows of the sections run now")
+                    help="merge into the existing --out file: replace only the rows of the sections and token counts "
+                         "run now")
     ap.add_argument("--ms", default="1,3,8,64,257,4096", help="token counts M")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting GEMM shapes after this many seconds")
     ap.add_argument("--gemm-shapes", default="",
@@ -590,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             return
         doc = result
         if previous is not None:   # keep the earlier run's rows of the sections not run now (and its ceilings)
-            def ran(r):
-                return any(r["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec])
+            def ran(r):   # a row this run replaces: its section and token count were run now
+                return r.get("M") in ms and any(r["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec])
             doc = dict(previous)
             doc["rows"] = [r for r in previous["rows"] if not ran(r)] + result["rows"]
             doc["targets"] = targets(doc["rows"])
@@ -607,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (memcpy {ceil['memcpy_GBps']:.0f}, elementwise "
           f"{ceil['elementwise_GBps']:.0f}), fp8 _scaled_mm {ceil['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s, "
           f"bf16 mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s", flush=True)
-    for sec in ("mhc", "act", "gemm", "moe", "wo_a"):
+    for sec in ("mhc", "act", "gemm", "moe", "wo_a", "gemm_v4"):
         if sec not in sections:
             continue
         try:
@@ -619,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s)
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
+            elif sec == "gemm_v4":
+                only = {v for v in args.gemm_shapes.split(",") if v} or None
+                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, only, GEMM_V4_SHAPES, 128)
             else:
                 only = {v for v in args.gemm_shapes.split(",") if v} or None
                 result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, only)
@@ -627,10 +652,11 @@ def main(argv: list[str] | None = None) -> int:
                                    "trace": traceback.format_exc()[-3000:]})
         dump()
         print(f"[{sec} done at {time.time() - t0:.0f}s]", flush=True)
-    result["rows"].sort(key=lambda r: (r["op"].split("[")[0] != "fp8_gemm" and r["op"] != "bf16_cache_gemm"
-                                       and not r["op"].startswith("scaled_mm"), r["shape"], r["M"]))
+    result["rows"].sort(key=lambda r: (r["op"].removeprefix("v4_").split("[")[0] != "fp8_gemm"
+                                       and r["op"].removeprefix("v4_") != "bf16_cache_gemm"
+                                       and not r["op"].removeprefix("v4_").startswith("scaled_mm"), r["shape"], r["M"]))
     if previous is not None:
-        print(f"(merged into {args.out}: rows of sections {sections} replaced, the others kept)")
+        print(f"(merged into {args.out}: rows of sections {sections} at M {ms} replaced, the others kept)")
     print(format_table(result["rows"]))
     print(json.dumps(result["targets"], indent=None, default=str))
     dump()

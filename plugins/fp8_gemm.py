@@ -1,7 +1,10 @@
-"""Group-32 FP8 dense GEMM (V4.1 dense linears) and the BF16-cache alternative.
+"""Group-32 FP8 dense GEMM (V4.1 dense linears; V4's 128-groups too) and the BF16-cache alternative.
 
 y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ) · sa[m, kb] · sb[n/32, kb], fp32 promotion every 32 K, output BF16.
 A: e4m3 [M, K] with 1×32 pow2 scales (fp32 or e8m0), W: e4m3 [N, K] with 32×32 e8m0 block scales.
+V4 (1×128 activation groups, 128×128 weight blocks) comes in the same scale format, each scale repeated over its
+32-blocks (`refs.expand_weight_scales`, `act_quant(block=128)`); with `group=128` the FP8-MMA paths may then promote
+once per 128 K (a config's kgroups 32-blocks per iteration, as the V4 reference promotes), not every 32 K.
 The kernel is written over a generic (P, Q) pair so one body serves both orientations: normal (P = A, Q = W) for
 prefill and swap-AB (P = W, Q = A, output written transposed) for decode, where the weight rows fill the MMA's
 M = 64/128 side and the few tokens the N = 16..64 side. Operand tiles come by TMA (host tensor descriptors: no
@@ -56,8 +59,9 @@ def _fp8_gemm_g32_kernel(
     NUM_STAGES: tl.constexpr, DEQUANT_BF16: tl.constexpr, P_TILED: tl.constexpr,
 ):
     """acc[p, q] = Σ_kb (P_q[p, kb]·Q_q[q, kb]ᵀ)·ps[p/P_SDIV, kb]·qs[q/Q_SDIV, kb]; operand tiles arrive by TMA
-    (out-of-range rows and columns zero-filled), KG 32-wide K blocks per pipelined iteration (KG > 1 only with
-    DEQUANT_BF16, where each operand is scaled per 32-block in registers before one BF16 MMA)."""
+    (out-of-range rows and columns zero-filled), KG 32-wide K blocks per pipelined iteration. With DEQUANT_BF16 each
+    operand is scaled per 32-block in registers before one BF16 MMA; otherwise one FP8 MMA over the KG blocks is
+    promoted once with the first block's scales (the caller guarantees they hold for all KG: KG == 1, or V4 groups)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_p, pid_q = grouped_tile(pid, tl.cdiv(P, BLOCK_P), tl.cdiv(Q, BLOCK_Q), GROUP_P)
@@ -81,8 +85,8 @@ def _fp8_gemm_g32_kernel(
         cur_p = _scale_tile(ps_base, it0 * KG, n_kb, mask_p & (it0 < it1), KG, PS_E8M0)
         cur_q = _scale_tile(qs_base, it0 * KG, n_kb, mask_q & (it0 < it1), KG, QS_E8M0)
     else:
-        cur_p = _scale_col(ps_base, it0, n_kb, mask_p & (it0 < it1), PS_E8M0)
-        cur_q = _scale_col(qs_base, it0, n_kb, mask_q & (it0 < it1), QS_E8M0)
+        cur_p = _scale_col(ps_base, it0 * KG, n_kb, mask_p & (it0 < it1), PS_E8M0)
+        cur_q = _scale_col(qs_base, it0 * KG, n_kb, mask_q & (it0 < it1), QS_E8M0)
     for it in tl.range(it0, it1, num_stages=NUM_STAGES):
         kb = it * KG
         if P_TILED:   # P pre-tiled [P/BP, K/(32·KG), BP, 32·KG]: one contiguous box per iteration
@@ -98,9 +102,9 @@ def _fp8_gemm_g32_kernel(
             b16 = (b.to(tl.float32).reshape(BLOCK_Q, KG, 32) * cur_q[:, :, None]).reshape(BLOCK_Q, KG * 32)
             acc = tl.dot(a16.to(tl.bfloat16), b16.to(tl.bfloat16).T, acc)
         else:
-            nxt_p = _scale_col(ps_base, it + 1, n_kb, mask_p & (it + 1 < it1), PS_E8M0)
-            nxt_q = _scale_col(qs_base, it + 1, n_kb, mask_q & (it + 1 < it1), QS_E8M0)
-            acc += tl.dot(a, b.T) * (cur_p[:, None] * cur_q[None, :])   # fp32 promotion every 32 K (KG == 1)
+            nxt_p = _scale_col(ps_base, (it + 1) * KG, n_kb, mask_p & (it + 1 < it1), PS_E8M0)
+            nxt_q = _scale_col(qs_base, (it + 1) * KG, n_kb, mask_q & (it + 1 < it1), QS_E8M0)
+            acc += tl.dot(a, b.T) * (cur_p[:, None] * cur_q[None, :])   # fp32 promotion every 32·KG K
         cur_p = nxt_p
         cur_q = nxt_q
     o_off = offs_p.to(tl.int64)[:, None] * stride_op + offs_q.to(tl.int64)[None, :] * stride_oq
@@ -148,7 +152,7 @@ def gemm_operands(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: 
 
 def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
              config: GemmConfig | None = None, out: torch.Tensor | None = None,
-             w_tiled: torch.Tensor | None = None) -> torch.Tensor:
+             w_tiled: torch.Tensor | None = None, group: int = QBLOCK) -> torch.Tensor:
     """Group-32 FP8 GEMM -> BF16 [M, N].
 
     a_q e4m3 [M, K] (row stride free, K contiguous), a_s [M, K/32] fp32|e8m0 (K/32 contiguous),
@@ -158,12 +162,16 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead,
     a `gluon` config (K % 128 == 0; large M, or M <= 8 with swap_ab) `fp8_gemm_gluon.fp8_gemm_gluon`;
     out: optional BF16 [M, N] contiguous; w_tiled: tile_weight(w_q, config), required by (and only used with) a
-    `tiled_w` config.
+    `tiled_w` config. group: the K extent over which the scales are constant (32: V4.1; 128: V4's 1×128 activation
+    groups and 128×128 weight blocks, stored as repeated 32-block scales), which lets FP8-MMA configs promote once
+    per `kgroups`·32 K (`GemmConfig.promotes_every`) and the Gluon large-M kernel once per 128 K.
     """
     assert a_q.dim() == 2 and w_q.dim() == 2, (a_q.shape, w_q.shape)
     m, k = a_q.shape
     n, kw = w_q.shape
-    cfg = config or tuning.get_config(n, k, m)
+    cfg = config or tuning.get_config(n, k, m, group=group)
+    assert group in (QBLOCK, 4 * QBLOCK) and group % cfg.promotes_every == 0, \
+        f"config {cfg.tag()} promotes every {cfg.promotes_every} K, but the scales are constant over {group} only"
     if cfg.gemv:   # CUDA-core split-K GEMV for M <= 8 (fp8_gemv.py; it checks its operands); w_tiled is not used
         from dsflash.plugins.fp8_gemv import fp8_gemv
         return fp8_gemv(a_q, a_s, w_q, w_s, cfg, out=out)
@@ -175,7 +183,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
         return out
     if cfg.gluon:   # explicit-wgmma kernels (fp8_gemm_gluon.py)
         from dsflash.plugins.fp8_gemm_gluon import fp8_gemm_gluon
-        return fp8_gemm_gluon(a_q, a_s, w_q, w_s, cfg, out)
+        return fp8_gemm_gluon(a_q, a_s, w_q, w_s, cfg, out, group)
     sa, sa_e8 = _scale_arg(a_s)
     sb, sb_e8 = _scale_arg(w_s)
     if cfg.swap_ab:   # P = W rows (n), Q = tokens (m); out[m, n] = acc[p=n, q=m]
@@ -213,13 +221,14 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
 
 
 def bf16_cache_gemm(x: torch.Tensor, w_bf16: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                    eps: float = 0.0) -> torch.Tensor:
-    """BF16-cache path: x [M, K] bf16 (optionally RMSNorm'd first) through the FP8 1×32 quantize step, dequantized
-    to BF16 in the same kernel, times the cached BF16 weight [N, K] on BF16 tensor cores (cuBLAS) -> [M, N] bf16.
-    Numerics equal deploy mode (the dequantized activation and weight are exact in BF16; fp32 accumulation)."""
+                    eps: float = 0.0, act_block: int = QBLOCK) -> torch.Tensor:
+    """BF16-cache path: x [M, K] bf16 (optionally RMSNorm'd first) through the FP8 1×act_block quantize step,
+    dequantized to BF16 in the same kernel, times the cached BF16 weight [N, K] on BF16 tensor cores (cuBLAS) ->
+    [M, N] bf16. Numerics equal deploy mode (the dequantized activation and weight are exact in BF16; fp32
+    accumulation)."""
     assert x.dtype == torch.bfloat16 and w_bf16.dtype == torch.bfloat16, (x.dtype, w_bf16.dtype)
     assert x.shape[-1] == w_bf16.shape[1], (tuple(x.shape), tuple(w_bf16.shape))
-    return torch.matmul(act_quant_dequant(x, norm_weight, eps), w_bf16.t())
+    return torch.matmul(act_quant_dequant(x, norm_weight, eps, act_block), w_bf16.t())
 
 
 def bf16_cache_weight(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ Triton kernel:
 - the K loop issues fewer non-FFMA instructions (4 K blocks per TMA stage, W scales read as one 32-bit word per
   block row and stage), and a 64-row tile capped at 168 registers lets three CTAs share an SM, so one CTA's
   promotion runs while another's MMA does (benchmarks/README.md, session 5: 2× the Triton kernel at M = 4096).
+- with V4's 128-groups (`group=128`: scales constant over each 128 K) the large-M kernel runs each stage as one
+  128-deep MMA and promotes once, the V4 reference's per-128-K promotion (a quarter of the folds). (Two partials,
+  one stage's MMA running while the other is folded, made ptxas serialise every wgmma of the kernel, C7514: the
+  overlap comes from the 2-3 CTAs per SM instead.)
 Both need K % 128 == 0. Imports Triton's Gluon: load this module lazily.
 """
 from __future__ import annotations
@@ -51,9 +55,10 @@ def _fold(acc, p, sa, sw_col):
 
 @gluon.jit
 def _stage_scales(sa_base, sw_base, stride_sw, kb0, n_kb, row_ok, cols_blk, nb0, n_nb,
-                  NB: gl.constexpr, AS_E8M0: gl.constexpr):
-    """Scales of the stage's 4 K blocks from kb0 (0 past K or out of range): a tuple of 4 sa [BM] and a tuple of 4
-    per-column W scales [BN]. Each W-scale row is read as one 32-bit word (4 consecutive K blocks)."""
+                  NB: gl.constexpr, AS_E8M0: gl.constexpr, NKB: gl.constexpr = _KB):
+    """Scales of the stage's first NKB (4, or 1 with 128-groups) K blocks from kb0 (0 past K or out of range): a
+    tuple of NKB sa [BM] and a tuple of NKB per-column W scales [BN]. Each W-scale row is read as one 32-bit word
+    (4 consecutive K blocks)."""
     k_ok = kb0 < n_kb
     words = ()
     for j in gl.static_range(NB):
@@ -61,7 +66,7 @@ def _stage_scales(sa_base, sw_base, stride_sw, kb0, n_kb, row_ok, cols_blk, nb0,
         words = words + (gl.load(wp, mask=(nb0 + j < n_nb) & k_ok, other=0), )
     sa = ()
     sw = ()
-    for kk in gl.static_range(_KB):
+    for kk in gl.static_range(NKB):
         s = gl.load(sa_base + kb0 + kk, mask=row_ok & k_ok, other=0)
         if AS_E8M0:
             s = e8m0_to_f32(s)
@@ -93,10 +98,11 @@ def _load_stage(p_desc, q_desc, p_bufs, q_bufs, ready, slot, off_p, off_q, k0, o
 
 
 @gluon.jit
-def _quantize_tokens(x_bufs, q_bufs, slot, BOXES: gl.constexpr, cols_l: gl.constexpr, num_warps: gl.constexpr):
-    """The stage's token boxes (bf16 [BQ, 128] each, in x_bufs) quantized per 1×32 as `act_quant` does (scale
-    2^e, e = scale_exp(absmax), e4m3 with RTNE and ±448 saturation) into q_bufs, the MMA's token operand.
-    Returns the 4·BOXES scale vectors 2^e [BQ] (layout cols_l), in K-block order."""
+def _quantize_tokens(x_bufs, q_bufs, slot, BOXES: gl.constexpr, cols_l: gl.constexpr, num_warps: gl.constexpr,
+                     A128: gl.constexpr = False):
+    """The stage's token boxes (bf16 [BQ, 128] each, in x_bufs) quantized per 1×32 (A128: per 1×128, a whole box)
+    as `act_quant` does (scale 2^e, e = scale_exp(absmax), e4m3 with RTNE and ±448 saturation) into q_bufs, the
+    MMA's token operand. Returns the 4·BOXES scale vectors 2^e [BQ] (layout cols_l), in K-block order."""
     BK: gl.constexpr = x_bufs.shape[2]
     # x: [BQ = 8 tokens, 128 K], 8 consecutive K per thread (a quarter of a 32-block)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -106,10 +112,16 @@ def _quantize_tokens(x_bufs, q_bufs, slot, BOXES: gl.constexpr, cols_l: gl.const
         v = x_bufs.index(slot * BOXES + b).load(blk).to(gl.float32)                  # [BQ, BK]
         mag = gl.abs(v)
         inv = v * 0.0
-        for g in gl.static_range(BK // 32):
-            e = scale_exp(gl.max(gl.where(grp == g, mag, 0.0), axis=1))              # [BQ]
-            inv = gl.where(grp == g, gl.expand_dims(exp2i(-e), 1), inv)
-            scales = scales + (gl.convert_layout(exp2i(e), cols_l), )
+        if A128:
+            e = scale_exp(gl.max(mag, axis=1))                                          # [BQ]
+            inv = inv + gl.expand_dims(exp2i(-e), 1)
+            for g in gl.static_range(BK // 32):
+                scales = scales + (gl.convert_layout(exp2i(e), cols_l), )
+        else:
+            for g in gl.static_range(BK // 32):
+                e = scale_exp(gl.max(gl.where(grp == g, mag, 0.0), axis=1))              # [BQ]
+                inv = gl.where(grp == g, gl.expand_dims(exp2i(-e), 1), inv)
+                scales = scales + (gl.convert_layout(exp2i(e), cols_l), )
         q = gl.minimum(gl.maximum(v * inv, -448.0), 448.0).to(gl.float8e4nv)
         q_bufs.index(slot * BOXES + b).store(q)
     fence_async_shared()       # the generic-proxy stores, before the async proxy (wgmma) reads them
@@ -129,12 +141,13 @@ def _grid_dependency_wait():
 @gluon.jit
 def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K, stride_om, stride_as, stride_ws,
                                AS_E8M0: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               G128: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     NB: gl.constexpr = BN // 32
     gl.static_assert(BK == 32 * _KB, "4 scale blocks per stage")
+    NKB: gl.constexpr = 1 if G128 else _KB   # scale blocks read (and promotions) per stage
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
     off_m = pid_m * BM
@@ -163,7 +176,7 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
     n_nb = gl.cdiv(N, 32)
     sw_base = ws_ptr + nb0 * stride_ws
     n_kb = K // 32
-    sa, sw = _stage_scales(sa_base, sw_base, stride_ws, 0, n_kb, row_ok, cols_blk, nb0, n_nb, NB, AS_E8M0)
+    sa, sw = _stage_scales(sa_base, sw_base, stride_ws, 0, n_kb, row_ok, cols_blk, nb0, n_nb, NB, AS_E8M0, NKB)
 
     acc = gl.zeros([BM, BN], gl.float32, mma)
     part = gl.zeros([BM, BN], gl.float32, mma)
@@ -174,19 +187,30 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
         b_s = b_bufs.index(st)
         # the next stage's scales: loaded now, used a stage later
         nxt_sa, nxt_sw = _stage_scales(sa_base, sw_base, stride_ws, (it + 1) * _KB, n_kb, row_ok, cols_blk, nb0,
-                                       n_nb, NB, AS_E8M0)
-        for kk in gl.static_range(_KB):
-            # part: [BM, BN] = A[:, 32 K] · W[BN, 32 K]ᵀ (fresh, fp32), folded at once: promotion every 32 K
-            part = warpgroup_mma(a_s.slice(kk * 32, 32, dim=1), b_s.slice(kk * 32, 32, dim=1).permute((1, 0)),
-                                 part, use_acc=False, is_async=True)
+                                       n_nb, NB, AS_E8M0, NKB)
+        if G128:
+            # every warp is past the previous stage's MMA (waited there): refill its slot, then one 128-deep MMA
+            # promoted once
+            gl.thread_barrier()
+            nxt = it + NUM_STAGES - 1
+            _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, nxt % NUM_STAGES, off_m, off_n, nxt * BK,
+                        nxt < n_it, 1)
+            part = warpgroup_mma(a_s, b_s.permute((1, 0)), part, use_acc=False, is_async=True)
             part = warpgroup_mma_wait(0, deps=(part, ))
-            acc = _fold(acc, part, sa[kk], sw[kk])
-            if kk == 0:
-                # every warp is past the previous stage's MMAs: refill its slot
-                gl.thread_barrier()
-                nxt = it + NUM_STAGES - 1
-                _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, nxt % NUM_STAGES, off_m, off_n, nxt * BK,
-                            nxt < n_it, 1)
+            acc = _fold(acc, part, sa[0], sw[0])
+        else:
+            for kk in gl.static_range(_KB):
+                # part: [BM, BN] = A[:, 32 K] · W[BN, 32 K]ᵀ (fresh, fp32), folded at once: promotion every 32 K
+                part = warpgroup_mma(a_s.slice(kk * 32, 32, dim=1), b_s.slice(kk * 32, 32, dim=1).permute((1, 0)),
+                                     part, use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(0, deps=(part, ))
+                acc = _fold(acc, part, sa[kk], sw[kk])
+                if kk == 0:
+                    # every warp is past the previous stage's MMAs: refill its slot
+                    gl.thread_barrier()
+                    nxt = it + NUM_STAGES - 1
+                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, nxt % NUM_STAGES, off_m, off_n, nxt * BK,
+                                nxt < n_it, 1)
         sa = nxt_sa
         sw = nxt_sw
     for s in gl.static_range(NUM_STAGES):
@@ -201,14 +225,15 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
 def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, M, N, K,
                                       stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
                                       NUM_STAGES: gl.constexpr, PDL: gl.constexpr, QUANT_A: gl.constexpr,
-                                      Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                                      Q_LAYOUT: gl.constexpr, A128: gl.constexpr, num_warps: gl.constexpr):
     """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
     A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
     issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA.
     PDL (launched with programmatic dependent launch): the weight boxes of the whole ring are requested before
     `griddepcontrol.wait`, the tokens after it; nothing the previous kernel writes is read or written before.
     QUANT_A: a_desc is the bf16 activation itself; each stage's token boxes are quantized per 1×32 in the kernel
-    (`_quantize_tokens`, into e4m3 buffers of layout Q_LAYOUT) and as_ptr is unused: one launch per linear."""
+    (`_quantize_tokens`, into e4m3 buffers of layout Q_LAYOUT; A128: per 1×128, V4) and as_ptr is unused: one launch
+    per linear."""
     BP: gl.constexpr = w_desc.block_type.shape[0]
     BQ: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -264,7 +289,7 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         mbarrier.wait(ready.index(st), (i // NUM_STAGES) & 1)
         kb0 = (st0 + i) * BOXES * _KB
         if QUANT_A:
-            sa_q = _quantize_tokens(t_bufs, a_bufs, st, BOXES, cols_l, num_warps)
+            sa_q = _quantize_tokens(t_bufs, a_bufs, st, BOXES, cols_l, num_warps, A128)
         parts = ()
         for b in gl.static_range(BOXES):
             w_s = w_bufs.index(st * BOXES + b)
@@ -302,8 +327,9 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
 
 
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
-                   out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`.
+                   out: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`
+    (group 128: the scales are constant over each 128 K, and the large-M kernel promotes once per stage).
     cfg.gluon: block_p = BM rows (64 with 4 warps, 128 with 8), block_q = BN (64 or 128), num_stages, maxnreg;
     with swap_ab the decode kernel (M <= 8): block_p 64 weight rows, block_q 8 tokens, kgroups 128-K boxes per
     stage, split_k, num_stages, pdl."""
@@ -325,7 +351,8 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), )
     _fp8_gemm_g32_gluon_kernel[grid](
         a_desc, b_desc, out, sa, ws8, m, n, k, out.stride(0), sa.stride(0), ws8.stride(0),
-        AS_E8M0=as_e8, GROUP_M=cfg.group_p, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        AS_E8M0=as_e8, GROUP_M=cfg.group_p, NUM_STAGES=cfg.num_stages, G128=group == 128,
+        num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
@@ -338,9 +365,10 @@ def bf16_tma_ready(x: torch.Tensor) -> bool:
 
 
 def fp8_linear_gluon_decode(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, act_block: int = 32) -> torch.Tensor:
     """out [M, N] bf16 = the group-32 FP8 linear of bf16 x [M <= 8, K] in one launch: the decode kernel quantizes
-    the activation per 1×32 itself, exactly as `act_quant` then `fp8_gemm` with the same config (QUANT_A).
+    the activation per 1×act_block (32, or V4's 128) itself, exactly as `act_quant` then `fp8_gemm` with the same
+    config (QUANT_A).
     cfg: a Gluon decode config (gluon, swap_ab; its quant_in_kernel flag is not needed); w_s: e8m0 block scales."""
     assert cfg.gluon and cfg.swap_ab, f"in-kernel quantization is the Gluon decode kernel's, not {cfg.tag()}"
     assert bf16_tma_ready(x), \
@@ -353,11 +381,12 @@ def fp8_linear_gluon_decode(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tenso
         "the Gluon FP8 GEMM reads e8m0 weight scales as 32-bit words"
     if out is None:
         out = torch.empty((m, w_q.shape[0]), dtype=torch.bfloat16, device=x.device)
-    return _decode(x, None, False, w_q, ws8, cfg, out)
+    assert act_block in (32, 128), f"activation block {act_block}: 32 (V4.1) or 128 (V4)"
+    return _decode(x, None, False, w_q, ws8, cfg, out, act_block == 128)
 
 
 def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Tensor, ws8: torch.Tensor,
-            cfg: GemmConfig, out: torch.Tensor) -> torch.Tensor:
+            cfg: GemmConfig, out: torch.Tensor, a128: bool = False) -> torch.Tensor:
     """The decode kernel's launch: a = the e4m3 activation with its scales sa (as `_scale_arg` returns them), or,
     with sa None, the bf16 activation the kernel quantizes itself; ws8: e8m0 bytes."""
     m, k = a.shape
@@ -377,7 +406,7 @@ def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Te
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
         w_desc, a_desc, out, ws8, ws8 if sa is None else sa, part, cnt, m, n, k, ws8.stride(0),
         0 if sa is None else sa.stride(0), split, AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages,
-        PDL=cfg.pdl, QUANT_A=sa is None,
+        PDL=cfg.pdl, QUANT_A=sa is None, A128=a128,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv),
         num_warps=4, launch_pdl=cfg.pdl)
     return out

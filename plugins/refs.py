@@ -11,7 +11,8 @@ import torch
 
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-4
-QBLOCK = 32  # V4.1: activations 1×32, weights 32×32
+QBLOCK = 32  # V4.1: activations 1×32, weights 32×32; the kernels' scale format for V4's 1×128 / 128×128 too
+ACT_BLOCKS = (32, 128)   # activation quantization blocks the kernels implement (V4.1, V4)
 E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 
@@ -53,10 +54,21 @@ def _expand_cols(s: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
 
 
 # -- activation quantization ----------------------------------------------------------------------------------------
-def act_quant_ref(x: torch.Tensor, scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (K % 32 == 0) -> (e4m3 [..., K], scales [..., K/32] fp32 or e8m0): per-1×32 pow2 quantization."""
+def act_quant_ref(x: torch.Tensor, scale_fmt: str = "fp32", block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K % 32 == 0) -> (e4m3 [..., K], scales [..., K/32] fp32 or e8m0): pow2 quantization per 1×`block`.
+
+    block 32 (V4.1) or 128 (V4). The scales always come one per 32 columns, the kernels' format: a 128-block's scale
+    is written for each of its four 32-blocks. A K that is not a multiple of `block` ends in a short block (as zero
+    padding would: zeros never raise amax), as the V4 reference quantizes its ragged tiny-preset widths."""
+    assert block % QBLOCK == 0, f"activation block {block} must be a multiple of {QBLOCK}"
     xb = _blocks(x)
-    s = fp8_pow2_scale(xb.abs().amax(-1))
+    amax = xb.abs().amax(-1)                                   # [..., K/32]
+    if block != QBLOCK:
+        g = block // QBLOCK
+        tail = -amax.shape[-1] % g
+        padded = torch.nn.functional.pad(amax, (0, tail))
+        amax = padded.reshape(*amax.shape[:-1], -1, g).amax(-1).repeat_interleave(g, -1)[..., :amax.shape[-1]]
+    s = fp8_pow2_scale(amax)
     q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(E4M3).reshape(x.shape)
     return q, (scale_to_e8m0(s) if scale_fmt == "e8m0" else s)
 
@@ -72,9 +84,9 @@ def act_dequant_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch
     return (q.float() * _expand_cols(scale_to_fp32(s))).to(dtype)
 
 
-def act_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
+def act_fake_quant_ref(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
     """Quantize then dequantize (same shape and dtype): what deploy numerics feed an FP8-weight linear."""
-    q, s = act_quant_ref(x)
+    q, s = act_quant_ref(x, block=block)
     return act_dequant_ref(q, s, x.dtype)
 
 
@@ -85,27 +97,49 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (y * weight.float()).to(x.dtype)
 
 
-def act_quant_dequant_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """(optional RMSNorm ->) FP8 1×32 quantize -> dequantize to x.dtype (the BF16-cache GEMM's activation)."""
-    return act_fake_quant_ref(x if weight is None else rmsnorm_ref(x, weight, eps))
+def act_quant_dequant_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,
+                          block: int = QBLOCK) -> torch.Tensor:
+    """(optional RMSNorm ->) FP8 1×`block` quantize -> dequantize to x.dtype (the BF16-cache GEMM's activation)."""
+    return act_fake_quant_ref(x if weight is None else rmsnorm_ref(x, weight, eps), block)
 
 
-def rmsnorm_act_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fmt: str = "fp32"
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """norm -> BF16 -> per-1×32 FP8 (e.g. q_norm -> wq_b). Returns (y [..., K] x.dtype, q e4m3, scales)."""
+def rmsnorm_act_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fmt: str = "fp32",
+                          block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm -> BF16 -> per-1×`block` FP8 (e.g. q_norm -> wq_b). Returns (y [..., K] x.dtype, q e4m3, scales)."""
     y = rmsnorm_ref(x, weight, eps)
-    q, s = act_quant_ref(y, scale_fmt)
+    q, s = act_quant_ref(y, scale_fmt, block)
     return y, q, s
 
 
 # -- group-32 FP8 dense GEMM ----------------------------------------------------------------------------------------
-def quant_weight_fp8_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, K] (multiples of 32) -> (e4m3 [N, K], e8m0 [N/32, K/32]) with pow2 32×32 block scales."""
+def quant_weight_fp8_ref(w: torch.Tensor, block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] (multiples of 32) -> (e4m3 [N, K], e8m0 [N/32, K/32]) with pow2 `block`×`block` scales (32: V4.1,
+    128: V4), the latter in the kernels' 32×32 format (`expand_weight_scales`)."""
     n, k = w.shape
+    if block != QBLOCK:
+        bn, bk = -(-n // block), -(-k // block)
+        pad = torch.zeros(bn * block, bk * block, dtype=torch.float32, device=w.device)
+        pad[:n, :k] = w.float()
+        s = fp8_pow2_scale(pad.reshape(bn, block, bk, block).abs().amax((1, 3)))   # [N/b, K/b]
+        q = (w.float() / s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k])
+        return q.clamp(-FP8_MAX, FP8_MAX).to(E4M3), expand_weight_scales(scale_to_e8m0(s), n, k, block)
     wb = w.float().reshape(n // QBLOCK, QBLOCK, k // QBLOCK, QBLOCK)
     s = fp8_pow2_scale(wb.abs().amax((1, 3)))  # [N/32, K/32]
     q = (wb / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3).reshape(n, k)
     return q, scale_to_e8m0(s)
+
+
+def expand_weight_scales(w_s: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """e8m0 `block`×`block` weight scales [ceil(N/b), ceil(K/b)] (V4: b = 128; ragged edges allowed) -> the 32×32
+    scales [ceil(N/32), K/32] the kernels read (each value repeated over its block's 32×32 sub-blocks: exact)."""
+    assert block % QBLOCK == 0 and k % QBLOCK == 0, (block, k)
+    assert tuple(w_s.shape) == (-(-n // block), -(-k // block)), (tuple(w_s.shape), n, k, block)
+    if block == QBLOCK:
+        return w_s.contiguous()
+    g = block // QBLOCK
+    byte = w_s.view(torch.uint8) if w_s.dtype == E8M0 else w_s
+    out = byte.repeat_interleave(g, 0)[:-(-n // QBLOCK)].repeat_interleave(g, 1)[:, :k // QBLOCK].contiguous()
+    return out.view(w_s.dtype) if w_s.dtype == E8M0 else out
 
 
 def dequant_weight_ref(w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -125,9 +159,9 @@ def fp8_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: t
     return (a @ dequant_weight_ref(w_q, w_s).t()).to(out_dtype)
 
 
-def bf16_cache_gemm_ref(x: torch.Tensor, w_bf16: torch.Tensor) -> torch.Tensor:
+def bf16_cache_gemm_ref(x: torch.Tensor, w_bf16: torch.Tensor, act_block: int = QBLOCK) -> torch.Tensor:
     """BF16-cache path: activation through the FP8 quantize step, dequantized to BF16, times the cached BF16 weight."""
-    return act_fake_quant_ref(x.to(torch.bfloat16)) @ w_bf16.t()
+    return act_fake_quant_ref(x.to(torch.bfloat16), act_block) @ w_bf16.t()
 
 
 # -- mHC ------------------------------------------------------------------------------------------------------------

@@ -25,34 +25,34 @@ def _scale_dtype(e8m0: bool) -> torch.dtype:
 
 # -- activation quantization ------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsflash::act_quant", mutates_args=())
-def act_quant(x: Tensor, scale_e8m0: bool = False) -> tuple[Tensor, Tensor]:
-    """x [..., K] -> (e4m3 [..., K], scales [..., K/32] fp32 | e8m0)."""
+def act_quant(x: Tensor, scale_e8m0: bool = False, block: int = QBLOCK) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (e4m3 [..., K], scales [..., K/32] fp32 | e8m0), one scale per 1×block (32 or 128)."""
     fmt = "e8m0" if scale_e8m0 else "fp32"
     if x.is_cuda:
         from dsflash.plugins.act_quant import act_quant as k
-        return k(x, fmt)
-    return refs.act_quant_ref(x, fmt)
+        return k(x, fmt, block=block)
+    return refs.act_quant_ref(x, fmt, block)
 
 
 @act_quant.register_fake
-def _(x, scale_e8m0=False):
+def _(x, scale_e8m0=False, block=QBLOCK):
     return (x.new_empty(x.shape, dtype=refs.E4M3),
             x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
 @torch.library.custom_op("dsflash::rmsnorm_act_quant", mutates_args=())
-def rmsnorm_act_quant(x: Tensor, weight: Tensor, eps: float, scale_e8m0: bool = False
+def rmsnorm_act_quant(x: Tensor, weight: Tensor, eps: float, scale_e8m0: bool = False, block: int = QBLOCK
                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """RMSNorm -> x.dtype -> FP8 1×32: (y [..., K], e4m3 [..., K], scales [..., K/32])."""
+    """RMSNorm -> x.dtype -> FP8 1×block: (y [..., K], e4m3 [..., K], scales [..., K/32])."""
     fmt = "e8m0" if scale_e8m0 else "fp32"
     if x.is_cuda:
         from dsflash.plugins.act_quant import rmsnorm_act_quant as k
-        return k(x, weight, eps, fmt)
-    return refs.rmsnorm_act_quant_ref(x, weight, eps, fmt)
+        return k(x, weight, eps, fmt, block)
+    return refs.rmsnorm_act_quant_ref(x, weight, eps, fmt, block)
 
 
 @rmsnorm_act_quant.register_fake
-def _(x, weight, eps, scale_e8m0=False):
+def _(x, weight, eps, scale_e8m0=False, block=QBLOCK):
     return (torch.empty_like(x), x.new_empty(x.shape, dtype=refs.E4M3),
             x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
@@ -86,52 +86,56 @@ def _(g, u, limit):
 
 
 @torch.library.custom_op("dsflash::act_quant_dequant", mutates_args=())
-def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0) -> Tensor:
-    """(RMSNorm ->) FP8 1×32 quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
+def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0, block: int = QBLOCK) -> Tensor:
+    """(RMSNorm ->) FP8 1×block quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
     if x.is_cuda:
         from dsflash.plugins.act_quant import act_quant_dequant as k
-        return k(x, weight, eps)
-    return refs.act_quant_dequant_ref(x, weight, eps)
+        return k(x, weight, eps, block)
+    return refs.act_quant_dequant_ref(x, weight, eps, block)
 
 
 @act_quant_dequant.register_fake
-def _(x, weight=None, eps=0.0):
+def _(x, weight=None, eps=0.0, block=QBLOCK):
     return torch.empty_like(x)
 
 
 # -- GEMMs ------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsflash::fp8_gemm", mutates_args=())
-def fp8_gemm(a_q: Tensor, a_s: Tensor, w_q: Tensor, w_s: Tensor) -> Tensor:
-    """Group-32 FP8 GEMM: e4m3 [M, K] (1×32 scales) × e4m3 [N, K] (32×32 e8m0) -> bf16 [M, N]; tiles from tuning."""
+def fp8_gemm(a_q: Tensor, a_s: Tensor, w_q: Tensor, w_s: Tensor, group: int = QBLOCK) -> Tensor:
+    """Group-32 FP8 GEMM: e4m3 [M, K] (1×32 scales) × e4m3 [N, K] (32×32 e8m0) -> bf16 [M, N]; tiles from tuning.
+    group 128: the scales are V4's 1×128 / 128×128 ones in that format (fewer promotions)."""
     if a_q.is_cuda:
         from dsflash.plugins.fp8_gemm import fp8_gemm as k
-        return k(a_q, a_s, w_q, w_s)
+        return k(a_q, a_s, w_q, w_s, group=group)
     return refs.fp8_gemm_ref(a_q, a_s, w_q, w_s)
 
 
 @fp8_gemm.register_fake
-def _(a_q, a_s, w_q, w_s):
+def _(a_q, a_s, w_q, w_s, group=QBLOCK):
     return a_q.new_empty((a_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("dsflash::bf16_cache_gemm", mutates_args=())
-def bf16_cache_gemm(x: Tensor, w_bf16: Tensor) -> Tensor:
-    """x [M, K] bf16 -> FP8 1×32 quantize/dequantize -> @ w_bf16ᵀ (BF16 tensor cores) -> bf16 [M, N]."""
+def bf16_cache_gemm(x: Tensor, w_bf16: Tensor, act_block: int = QBLOCK) -> Tensor:
+    """x [M, K] bf16 -> FP8 1×act_block quantize/dequantize -> @ w_bf16ᵀ (BF16 tensor cores) -> bf16 [M, N]."""
     if x.is_cuda:
         from dsflash.plugins.fp8_gemm import bf16_cache_gemm as k
-        return k(x, w_bf16)
-    return refs.bf16_cache_gemm_ref(x, w_bf16)
+        return k(x, w_bf16, act_block=act_block)
+    return refs.bf16_cache_gemm_ref(x, w_bf16, act_block)
 
 
 @bf16_cache_gemm.register_fake
-def _(x, w_bf16):
+def _(x, w_bf16, act_block=QBLOCK):
     return x.new_empty((*x.shape[:-1], w_bf16.shape[0]), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("dsflash::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None) -> Tensor:
-    """A group-32 FP8 linear in deploy numerics: x bf16 [M, K] -> FP8 1×32 quantize -> GEMM -> bf16 [M, N].
+def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None, act_block: int = QBLOCK
+               ) -> Tensor:
+    """An FP8 linear in deploy numerics: x bf16 [M, K] -> FP8 1×act_block quantize -> GEMM -> bf16 [M, N].
 
+    V4.1: act_block 32, w_s the 32×32 block scales. V4: act_block 128, w_s its 128×128 scales in the kernels'
+    32×32 format (`refs.expand_weight_scales`).
     The tuned table (`tuning.lookup`, filled from the engine's tuned.json) picks, per (N, K, M bucket), the FP8
     GEMM with its tile config or the BF16-cache GEMM on `w_bf16` (when the engine holds one); a shape missing
     from the table uses the default FP8 config and is logged once."""
@@ -139,11 +143,11 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = N
         from dsflash.plugins import tuning
         from dsflash.plugins.fp8_gemm import bf16_cache_gemm
         n, k = w_q.shape
-        path, cfg = tuning.lookup(n, k, x.shape[0], device_arch(x.device))
+        path, cfg = tuning.lookup(n, k, x.shape[0], device_arch(x.device), act_block)
         if path == "bf16cache" and w_bf16 is not None:
-            return bf16_cache_gemm(x, w_bf16)
-        return fp8_linear_config(x, w_q, w_s, cfg)
-    return refs.fp8_gemm_ref(*refs.act_quant_ref(x), w_q, w_s)
+            return bf16_cache_gemm(x, w_bf16, act_block=act_block)
+        return fp8_linear_config(x, w_q, w_s, cfg, act_block)
+    return refs.fp8_gemm_ref(*refs.act_quant_ref(x, block=act_block), w_q, w_s)
 
 
 @functools.cache
@@ -153,20 +157,21 @@ def device_arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg) -> Tensor:
-    """The FP8 path of `fp8_linear` with one GEMM config (what `build` times): the 1×32 activation quantization
-    then the GEMM, or one launch for a quant_in_kernel config (when x suits its TMA: bf16, 16-byte aligned rows)."""
+def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg, act_block: int = QBLOCK) -> Tensor:
+    """The FP8 path of `fp8_linear` with one GEMM config (what `build` times): the 1×act_block activation
+    quantization then the GEMM, or one launch for a quant_in_kernel config (when x suits its TMA: bf16, 16-byte
+    aligned rows). The GEMM promotes once per act_block K where the config can (V4's 128-groups)."""
     if cfg.quant_in_kernel:
         from dsflash.plugins.fp8_gemm_gluon import bf16_tma_ready, fp8_linear_gluon_decode
         if bf16_tma_ready(x):
-            return fp8_linear_gluon_decode(x, w_q, w_s, cfg)
+            return fp8_linear_gluon_decode(x, w_q, w_s, cfg, act_block=act_block)
     from dsflash.plugins.act_quant import act_quant
     from dsflash.plugins.fp8_gemm import fp8_gemm
-    return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16), w_q, w_s, cfg)
+    return fp8_gemm(*act_quant(x, "e8m0", codes16=cfg.acc16, block=act_block), w_q, w_s, cfg, group=act_block)
 
 
 @fp8_linear.register_fake
-def _(x, w_q, w_s, w_bf16=None):
+def _(x, w_q, w_s, w_bf16=None, act_block=QBLOCK):
     return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
 

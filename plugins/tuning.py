@@ -95,9 +95,16 @@ class GemmConfig:
         assert self.block_p <= 256 and self.block_q <= 256, "TMA boxes are at most 256 rows"
         assert self.split_k >= 1 and self.num_stages >= 1, self
         assert self.num_warps in (4, 8), self
-        assert self.kgroups in (1, 2, 4) and (self.kgroups == 1 or self.dequant_bf16), \
-            "several 32-blocks per iteration need dequant_bf16 (FP8 MMA promotes every 32 K)"
+        assert self.kgroups in (1, 2, 4), self
         assert not self.tiled_w or self.swap_ab, "tiled weights are for the swap-AB (decode) orientation"
+
+    @property
+    def promotes_every(self) -> int:
+        """K over which the config assumes constant scales: 32·kgroups for the Triton FP8-MMA kernel (one promotion
+        per iteration), 32 for every other path (they promote or dequantize per 32-block; the Gluon large-M kernel
+        takes the group from `fp8_gemm` itself)."""
+        plain_mma = not (self.gluon or self.gemv or self.dequant_bf16)
+        return 32 * self.kgroups if plain_mma else 32
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,6 +125,7 @@ class GemmConfig:
                     f"{'_h16' if self.acc16 else ''}")
         return (f"{'T' if self.swap_ab else 'N'}{self.block_p}x{self.block_q}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{f'_dq{self.kgroups}' if self.dequant_bf16 else ''}"
+                f"{f'_k{self.kgroups}' if self.kgroups > 1 and not self.dequant_bf16 else ''}"
                 f"{'_tw' if self.tiled_w else ''}")
 
 
@@ -144,10 +152,12 @@ def _split_for(tiles: int, k_iters: int, target: int = 2 * NUM_SMS, max_split: i
     return max(1, min(_cdiv(target, tiles), max(1, k_iters // 2), max_split))
 
 
-def default_config(n: int, k: int, m: int, arch: str | None = None) -> GemmConfig:
+def default_config(n: int, k: int, m: int, arch: str | None = None, group: int = 32) -> GemmConfig:
     """A valid config for any shape (K % 32 == 0): swap-AB GEMV-like tiles for M <= 64, 128×64 otherwise (the
     FP8-MMA winner of the first H200 sweep; bigger tiles need more registers than the per-32 promotion leaves).
-    On arch "sm90", M <= 8 and K % 128 == 0 take the Gluon decode kernel (`gluon_decode_default`)."""
+    On arch "sm90", M <= 8 and K % 128 == 0 take the Gluon decode kernel (`gluon_decode_default`). With V4's
+    128-groups (`group` 128) a large M takes a 128×128 tile promoted once per 128 K (what the fewer promotions
+    leave registers for)."""
     if arch == "sm90" and m <= GEMV_MAX_M and gluon_fits(k):
         return gluon_decode_default(n, k)
     kb = _cdiv(k, 32)
@@ -155,6 +165,9 @@ def default_config(n: int, k: int, m: int, arch: str | None = None) -> GemmConfi
         bq = max(16, _next_pow2(m))
         stages = 8 if bq <= 16 else (6 if bq <= 32 else 4)
         return GemmConfig(128, bq, _split_for(_cdiv(n, 128), kb), 4, stages, swap_ab=True)
+    if group == 128:
+        return GemmConfig(128, 128, _split_for(_cdiv(m, 128) * _cdiv(n, 128), _cdiv(kb, 4), target=NUM_SMS), 8, 3,
+                          kgroups=4)
     return GemmConfig(128, 64, _split_for(_cdiv(m, 128) * _cdiv(n, 64), kb, target=NUM_SMS), 4, 6)
 
 
@@ -256,10 +269,11 @@ def gluon_decode_default(n: int, k: int) -> GemmConfig:
     return min(fits, key=lambda c: c.split_k)
 
 
-def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
-    """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first."""
+def candidates(n: int, k: int, m: int, group: int = 32) -> list[GemmConfig]:
+    """The tuning space `build` (and the kernel bench) times for one (N, K, M) shape; the default comes first.
+    group 128 (V4) adds FP8-MMA tiles promoted once per 64 or 128 K."""
     kb = _cdiv(k, 32)
-    out = [default_config(n, k, m)]
+    out = [default_config(n, k, m, group=group)]
     if m <= 64:
         bq = max(16, _next_pow2(m))
         for bp, stages, warps, target in ((128, 12, 4, 2 * NUM_SMS), (128, 8, 4, 4 * NUM_SMS),
@@ -293,6 +307,18 @@ def candidates(n: int, k: int, m: int) -> list[GemmConfig]:
             out.append(dataclasses.replace(cfg, split_k=split))
         if gluon_fits(k):
             out += GLUON_SPACE
+    # one FP8 MMA per 64 / 128 K, promoted once (the V4 reference's per-128-K promotion); offline sm_90a builds:
+    # 80-214 registers, no spills (a 128×256 tile spilled)
+    if group == 128:
+        grouped = ((GemmConfig(128, max(16, _next_pow2(m)), 1, 4, 6, swap_ab=True, kgroups=4),
+                    GemmConfig(128, max(16, _next_pow2(m)), 1, 4, 8, swap_ab=True, kgroups=2)) if m <= 64 else
+                   (GemmConfig(128, 128, 1, 8, 3, kgroups=4), GemmConfig(128, 128, 1, 8, 4, kgroups=4),
+                    GemmConfig(128, 128, 1, 8, 4, kgroups=2),
+                    GemmConfig(64, 128, 1, 4, 4, kgroups=4), GemmConfig(128, 64, 1, 4, 5, kgroups=4)))
+        for cfg in grouped:
+            tiles = (_cdiv(n, cfg.block_p) if cfg.swap_ab else _cdiv(m, cfg.block_p) * _cdiv(n, cfg.block_q))
+            split = _split_for(tiles, _cdiv(kb, cfg.kgroups), target=2 * NUM_SMS if cfg.swap_ab else NUM_SMS)
+            out.append(dataclasses.replace(cfg, split_k=split))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -348,12 +374,12 @@ def set_table(entries: dict | None) -> None:
     _gemm_table.install(t)
 
 
-def lookup(n: int, k: int, m: int, arch: str | None = None) -> tuple[str, GemmConfig]:
-    """(path, config) for a GEMM of M tokens on `arch` (the running GPU's); falls back to ("fp8", default_config)
-    and logs that once per key."""
-    return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m, arch)),
+def lookup(n: int, k: int, m: int, arch: str | None = None, group: int = 32) -> tuple[str, GemmConfig]:
+    """(path, config) for a GEMM of M tokens on `arch` (the running GPU's) whose scales are constant over `group`
+    K; falls back to ("fp8", default_config) and logs that once per key."""
+    return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m, arch, group)),
                            lambda v: v[1].tag())
 
 
-def get_config(n: int, k: int, m: int, arch: str | None = None) -> GemmConfig:
-    return lookup(n, k, m, arch)[1]
+def get_config(n: int, k: int, m: int, arch: str | None = None, group: int = 32) -> GemmConfig:
+    return lookup(n, k, m, arch, group)[1]

@@ -154,9 +154,56 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
     assert "--disable-plugin 'lm_head': not a plugin op" in capsys.readouterr().err
 
 
-def test_v4_gpu_engines_record_references():
-    """The kernels implement V4.1's formats (group-32 FP8, its router and block): V4 engines say reference."""
-    assert set(default_plugins("sm90", family="v4").values()) == {"reference"}
+def test_v4_gpu_engines_select_the_shared_kernels():
+    """V4 shares the FP8 linears (1×128 / 128×128 groups), the norms, the shared expert's SwiGLU, WO-A and the mHC
+    kernels (per-site coefficients: nothing to overlap) with V4.1; its MoE keeps the reference."""
+    v4 = default_plugins("sm90", family="v4")
+    assert {op: impl for op, impl in v4.items() if impl != "reference"} == {
+        "gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused"}
+    assert default_plugins("sm90", ("mhc",), family="v4")["mhc"] == "reference"
+
+
+@pytest.mark.parametrize("preset,inter", [("tiny", 128), ("tiny-b", None)])
+def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
+    """A V4 sm90 engine binds every FP8 linear (not WO-A's einsum weight) to the FP8 GEMM with 1×128 activation
+    groups and its 128×128 scales expanded to the kernels' 32×32 format; each site matches the V4 reference, whose
+    ragged widths (tiny-b: 96-wide inputs) quantize as one short group. A shared expert's w1 and w3 stack into one
+    GEMM when its width is whole 128-row blocks (128), else run apart (96). A wrong 128×128 scale is caught."""
+    import dataclasses
+    from dsflash.model_def.layers import Linear
+    args = get_preset("v4", preset)
+    if inter:
+        args = dataclasses.replace(args, moe_intermediate_size=inter)
+    stacked = args.moe_intermediate_size % 128 == 0
+    hf = synthesize(args, tmp_path / "hf", seed=7)
+    convert(hf, tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
+    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90", BuildConfig(),
+                       progress=False)
+    model, meta = load_engine_model(eng, check_arch=False)
+    assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "reference"
+    assert all(b.attn.fused_wo_a and b.attn.wo_a.weight.dtype == torch.bfloat16 for b in model.layers)
+    lins = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.quant == "fp8"}
+    for name, lin in lins.items():
+        shexp = ".shared_experts.w" in name and not name.endswith("w2") and stacked
+        if name.endswith("attn.wo_a") or shexp:
+            assert lin.plugin is None, name
+        else:
+            assert lin.plugin is not None and lin.plugin.act_block == 128, name
+            n, k = lin.plugin.w_q.shape
+            assert lin.plugin.w_s.shape == (-(-n // 32), k // 32), name
+    w13 = model.layers[0].ffn.shared_experts.w13_plugin
+    assert (w13 is not None and w13.act_block == 128) == stacked
+    ids = torch.randint(0, model.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    rows = site_parity(model, ids)
+    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a"} | ({"gemm_w13"} if stacked else set())
+    assert {r["kind"] for r in rows} == kinds
+    assert all(b.hc_plugin is not None and not b.hc_plugin.overlap for b in [*model.layers, *model.mtp])
+    assert sum(r["kind"] == "mhc_v4" for r in rows) == len(model.layers)
+    assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
+    wq_b = model.layers[1].attn.wq_b.plugin
+    wq_b.w_s.view(torch.uint8)[:4, :4] += 1          # one 128×128 block's scale doubled (its 16 expanded copies)
+    bad = {r["site"] for r in site_parity(model, ids) if r["rel"] > 0.05}
+    assert "layers.1.attn.wq_b" in bad
 
 
 def test_moe_plugin_routes_image_tokens_with_bias_vl(sm90_engine):

@@ -116,3 +116,63 @@ def test_registry_ops_on_gpu():
     assert refs.rel_err(out, refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)) < 1e-2
     q, s = torch.ops.dsflash.act_quant(x)
     assert torch.equal(s, a_s)
+
+
+# -- V4: 1×128 activation groups and 128×128 weight blocks, in the kernels' 32-block scale format -------------------
+def _v4_operands(m: int, n: int, k: int):
+    w = torch.randn(n, k, device=DEV) * 0.02 * torch.logspace(-2, 2, -(-k // 128), device=DEV).repeat_interleave(128)[:k]
+    w_q, w_s = refs.quant_weight_fp8_ref(w, 128)
+    x = (torch.randn(m, k, device=DEV) * torch.logspace(-3, 3, m, device=DEV).unsqueeze(-1)).to(torch.bfloat16)
+    a_q, a_s = refs.act_quant_ref(x, "e8m0", 128)
+    return x, a_q, a_s, w_q, w_s
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (512, 4096), (4096, 256), (200, 96)])
+def test_fp8_gemm_v4_groups_all_candidates(m, n, k):
+    """Every candidate of a V4 shape (TP8 wq_b, TP8 shared w1|w3, TP8 shared w2, a ragged tiny width), among them
+    the FP8-MMA tiles promoted once per 64 / 128 K, against the reference on V4 operands."""
+    from dsflash.plugins.fp8_gemm import fp8_gemm, tile_weight
+    _, a_q, a_s, w_q, w_s = _v4_operands(m, n, k)
+    ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
+    cands = tuning.candidates(n, k, m, 128)
+    assert any(c.promotes_every == 128 for c in cands)
+    for cfg in cands:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        a_in = refs.codes16_ref(a_q) if cfg.acc16 else a_q
+        fp8_gemm(a_in, a_s, w_q, w_s, cfg, out=out, w_tiled=tile_weight(w_q, cfg) if cfg.tiled_w else None, group=128)
+        assert refs.rel_err(out, ref) < 1e-2, (cfg.tag(), refs.rel_err(out, ref))
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 1024), (4096, 1056, 2304), (130, 512, 4096)])
+def test_fp8_gemm_gluon_v4_promotes_per_128(m, n, k):
+    """The Gluon large-M kernel with group 128 (one 128-deep MMA and one fold per stage) matches the reference, and a
+    per-128 config is refused on group-32 scales (it would be silently wrong)."""
+    from dsflash.plugins.fp8_gemm import fp8_gemm
+    _, a_q, a_s, w_q, w_s = _v4_operands(m, n, k)
+    ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
+    for cfg in list(tuning.GLUON_SPACE) + [tuning.default_config(n, k, m, group=128)]:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        fp8_gemm(a_q, a_s, w_q, w_s, cfg, out=out, group=128)
+        assert refs.rel_err(out, ref) < 1e-2, cfg.tag()
+    with pytest.raises(AssertionError, match="promotes every 128"):
+        fp8_gemm(a_q, a_s, w_q, w_s, tuning.default_config(n, k, m, group=128))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (512, 4096)])
+def test_v4_linear_decode_and_bf16_cache(m, n, k):
+    """fp8_linear with act_block 128: the Gluon decode kernel quantizing per 1×128 in the kernel equals act_quant
+    (block 128) then the same kernel; the BF16-cache path and the op's default config match the reference."""
+    from dsflash.plugins import registry  # noqa: F401
+    from dsflash.plugins.act_quant import act_quant
+    from dsflash.plugins.fp8_gemm import bf16_cache_gemm, bf16_cache_weight, fp8_gemm
+    from dsflash.plugins.fp8_gemm_gluon import fp8_linear_gluon_decode
+    x, a_q, a_s, w_q, w_s = _v4_operands(m, n, k)
+    ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
+    for cfg in [c for c in tuning.gluon_decode_candidates(n, k) if c.quant_in_kernel][:4]:
+        one = fp8_linear_gluon_decode(x, w_q, w_s, cfg, act_block=128)
+        two = fp8_gemm(*act_quant(x, "e8m0", block=128), w_q, w_s, cfg, group=128)
+        assert refs.rel_err(one, ref) < 1e-2 and refs.rel_err(one, two) <= 1e-6, cfg.tag()
+    assert refs.rel_err(bf16_cache_gemm(x, bf16_cache_weight(w_q, w_s), act_block=128), ref) < 1e-2
+    assert refs.rel_err(torch.ops.dsflash.fp8_linear(x, w_q, w_s, None, 128), ref) < 1e-2

@@ -27,6 +27,46 @@ def test_act_quant_ref_equals_model_fake_quant(seed, shape):
     assert torch.equal(q8.float(), q.float()) and torch.equal(quant.e8m0_decode(s8), s)
 
 
+@pytest.mark.parametrize("shape", [(1, 128), (3, 1024), (5, 96), (2, 352)])
+def test_act_quant_ref_128_groups_equal_v4_fake_quant(seed, shape):
+    """V4's 1×128 groups (ragged widths: one short last group, as the V4 model pads) in the kernels' format: one scale
+    per 32 columns, a group's scale repeated; different from 1×32 wherever a group's blocks differ."""
+    from dsflash.model_def.v4 import _fq_fp8
+    x = _rand(*shape) * torch.logspace(-3, 3, shape[1]).to(torch.bfloat16)
+    q, s = refs.act_quant_ref(x, block=128)
+    assert s.shape == (shape[0], shape[1] // 32)
+    assert torch.equal(refs.act_dequant_ref(q, s, torch.float32), _fq_fp8(x.float(), 128))
+    assert torch.equal(refs.act_fake_quant_ref(x, 128), _fq_fp8(x, 128))
+    assert torch.equal(s.view(shape[0], -1)[:, ::4].repeat_interleave(4, -1)[:, :s.shape[1]], s)
+    assert not torch.equal(s, refs.act_quant_ref(x)[1])
+    y, q2, s2 = refs.rmsnorm_act_quant_ref(x, torch.ones(shape[1]), 1e-6, "e8m0", 128)
+    assert torch.equal(refs.act_dequant_ref(q2, s2, torch.float32), _fq_fp8(y.float(), 128))
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 96), (96, 160)])
+def test_v4_weight_scales_expand_to_the_32_format(seed, n, k):
+    """128×128 scales (ragged edges) expanded to 32×32 dequantize exactly as the V4 checkpoint does, and the FP8
+    linear op with act_block 128 equals the V4 deploy linear."""
+    from dsflash.model_def.v4 import _RaggedNumerics
+    from dsflash.plugins import registry  # noqa: F401
+    w = torch.randn(n, k) * 0.05
+    q, s128 = quant.quant_fp8_block(w, 128)
+    s32 = refs.expand_weight_scales(s128, n, k, 128)
+    assert s32.shape == (-(-n // 32), k // 32) and s32.dtype == refs.E8M0
+    assert torch.equal(refs.dequant_weight_ref(q, s32), quant.dequant_fp8_block(q, s128, 128))
+    rq, rs = refs.quant_weight_fp8_ref(w, 128)
+    assert torch.equal(rq.float(), q.float()) and torch.equal(rs.view(torch.uint8), s32.view(torch.uint8))
+    x = _rand(3, k) * torch.logspace(-2, 2, k).to(torch.bfloat16)
+    lin = layers.Linear(k, n, _RaggedNumerics("deploy", 128), quant="fp8")
+    lin.weight.data.copy_(refs.dequant_weight_ref(q, s32))
+    with torch.no_grad():
+        want = lin(x.float())
+    got = torch.ops.dsflash.fp8_linear(x, q, s32, None, 128).float()
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=0, atol=0)
+    wrong = torch.ops.dsflash.fp8_linear(x, q, s32, None, 32).float()
+    assert refs.rel_err(wrong, want) > 1e-3   # the group size is seen at these magnitudes
+
+
 def test_integer_scale_exponent_matches_division():
     """The kernels' e = exp(amax) - 8 + [mantissa > 1.75] equals pow2_ceil(max(amax,1e-4)/448) (fp32 division)."""
     g = torch.Generator().manual_seed(1)
@@ -108,14 +148,17 @@ def test_hc_split_weight_is_fp32_exact_enough():
 
 @pytest.mark.parametrize("n,k", [(5120, 8192), (32768, 1280), (5120, 288), (576, 5120)])
 @pytest.mark.parametrize("m", [1, 3, 8, 64, 257, 4096])
-def test_tuning_defaults_are_valid(n, k, m):
-    cands = tuning.candidates(n, k, m)
-    assert cands[0] == tuning.default_config(n, k, m)
+@pytest.mark.parametrize("group", [32, 128])
+def test_tuning_defaults_are_valid(n, k, m, group):
+    cands = tuning.candidates(n, k, m, group)
+    assert cands[0] == tuning.default_config(n, k, m, group=group)
     for c in cands:
         assert tuning.GemmConfig.from_dict(c.to_dict()) == c
-        assert c.split_k <= k // 32
+        assert c.split_k <= k // 32 and group % c.promotes_every == 0
         if m <= 64:
             assert c.swap_ab and c.block_q >= m
+    # V4's 128-groups add FP8-MMA tiles promoted once per 64 / 128 K
+    assert any(c.promotes_every > 32 for c in cands) == (group == 128)
 
 
 def test_tuning_table_lookup_and_fallback(caplog):

@@ -83,7 +83,18 @@ def test_dense_gemm_shapes_v41(tp):
 
 
 def test_dense_gemm_shapes_other_layouts_and_families():
-    assert dense_gemm_shapes(_engine(family="v4")) == []  # 128×128 blocks: not the group-32 kernel's format
+    v4 = dense_gemm_shapes(_engine(family="v4"))   # 1×128 / 128×128 groups, read in the kernels' 32×32 format
+    a = get_preset("v4", "tiny")
+    assert v4 and {s["group"] for s in v4} == {128} and not any(s["bf16_cache"] for s in v4)
+    assert (a.q_lora_rank, a.hidden_size) in {(s["n"], s["k"]) for s in v4}   # wq_a
+    assert not any(n.endswith("attn.wo_a.weight") for s in v4 for n in s["names"])   # a BF16 einsum in V4
+    # its shared expert (64 wide) is no whole 128-row block: w1 and w3 run apart, one shape
+    assert (a.moe_intermediate_size, a.hidden_size) in {(s["n"], s["k"]) for s in v4}
+    buckets = FP8_GEMM.buckets(_engine(family="v4"))
+    assert buckets and all(b["group"] == 128 for b in buckets)
+    assert any(c["config"]["kgroups"] == 4 and not c["config"]["dequant_bf16"]
+               for c in FP8_GEMM.candidates(buckets[-1]) if c["path"] == "fp8")
+    assert all("group" not in b for b in FP8_GEMM.buckets(_engine()))   # V4.1 buckets keep their form
     ref = dense_gemm_shapes(_engine(arch="cpu", layout="reference"))
     assert ref and not any(s["bf16_cache"] for s in ref)  # only hopper engines hold BF16 copies
 
