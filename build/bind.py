@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, gemm_blocks, stacks_w13
+from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks_w13
 from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
@@ -40,7 +40,7 @@ def resolve_plugins(engine_plugins: dict, override: str | dict | None) -> dict:
 def wants_kernel_format(plugins: dict, args, entry) -> bool:
     """Whether the loader must keep this entry's quantized tensors for a plugin."""
     if entry.role == "fp8_block":
-        return (plugins.get("gemm") == "fp8_gemm" and gemm_blocks(args) is not None
+        return (plugins.get("gemm") == "fp8_gemm" and gemm_block(args) is not None
                 and not entry.name.endswith(NOT_LINEAR_SUFFIXES))
     if entry.role == "mxfp4":
         return plugins.get("moe") == "mxfp4"
@@ -61,19 +61,19 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     if not model.numerics.deploy:
         raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
     bound = {op: 0 for op in plugins}
-    if plugins.get("gemm") == "fp8_gemm" and gemm_blocks(args) is not None:
-        act_block, w_block = gemm_blocks(args)
-        stacked = _bind_stacked_w13(model, kept, act_block, w_block)
+    block = gemm_block(args)
+    if plugins.get("gemm") == "fp8_gemm" and block is not None:
+        stacked = _bind_stacked_w13(model, kept, block)
         bound["gemm"] += len(stacked) // 2
         for name, lin in _fp8_linears(model):
             t = kept.get(f"{name}.weight")
             if name in stacked or t is None:   # no kernel-format tensors: WO-A's weight (run as an einsum)
                 continue
-            if t["q"].shape[1] % 32:
+            if not fits_kernel(t["q"].shape[1]):
                 dispatch.warn_once(f"gemm-k:{t['q'].shape[1]}", "gemm plugin: K=%d is not a multiple of 32; those "
                                    "linears run the reference", t["q"].shape[1])
                 continue
-            lin.plugin = fp8_linear_plugin(t, act_block, w_block)
+            lin.plugin = fp8_linear_plugin(t, block)
             bound["gemm"] += 1
     if plugins.get("moe") == "mxfp4":
         bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size)
@@ -106,37 +106,38 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     return bound
 
 
-def fp8_linear_plugin(t: dict[str, torch.Tensor], act_block: int = 32, w_block: int = 32) -> dispatch.FP8Linear:
-    """The `FP8Linear` of one kept entry {"q", "s"(, "bf16")}: its `w_block`×`w_block` scales in the kernels' 32×32
-    format, activations quantized per 1×act_block."""
-    n, k = t["q"].shape
-    return dispatch.FP8Linear(t["q"], expand_weight_scales(t["s"], n, k, w_block), t.get("bf16"), act_block)
+def fp8_linear_plugin(t: dict[str, torch.Tensor], block: int = 32) -> dispatch.FP8Linear:
+    """The `FP8Linear` of one kept entry {"q", "s"(, "bf16")}: its `block`×`block` scales in the kernels' 32×32
+    format, activations quantized per 1×block."""
+    return stacked_fp8_linear([t], block)
 
 
-def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]], act_block: int = 32,
-                       w_block: int = 32) -> dispatch.FP8Linear:
+def stacked_fp8_linear(parts: list[dict[str, torch.Tensor]], block: int = 32) -> dispatch.FP8Linear:
     """One `FP8Linear` over the row-stacked kernel tensors of `parts` ({"q", "s"(, "bf16")}, each a multiple of
-    `w_block` rows); the BF16-cache copy only when every part has one."""
+    `block` rows; `block`×`block` scales, 1×block activation groups); the BF16-cache copy only when every part has
+    one."""
     def rows(ts: list[torch.Tensor]) -> torch.Tensor:   # (1-byte float dtypes concatenated as bytes)
+        if len(ts) == 1:   # one part: its own tensor, not a copy
+            return ts[0]
         if ts[0].element_size() == 1:
             return torch.cat([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
         return torch.cat(ts)
-    scales = [expand_weight_scales(p["s"], *p["q"].shape, w_block) for p in parts]
+    scales = [expand_weight_scales(p["s"], *p["q"].shape, block) for p in parts]
     bf16 = rows([p["bf16"] for p in parts]) if all("bf16" in p for p in parts) else None
-    return dispatch.FP8Linear(rows([p["q"] for p in parts]), rows(scales), bf16, act_block)
+    return dispatch.FP8Linear(rows([p["q"] for p in parts]), rows(scales), bf16, block)
 
 
-def _bind_stacked_w13(model, kept, act_block: int, w_block: int) -> set[str]:
+def _bind_stacked_w13(model, kept, block: int) -> set[str]:
     """Each FP8 shared expert's w1 and w3 read the same input: bind one `FP8Linear` over [w1; w3] as the expert's
     `w13_plugin` (its BF16-cache copy stacked too). Returns the names of the linears it covers."""
     done: set[str] = set()
     for name, mod in model.named_modules():
-        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features, w_block)):
+        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features, block)):
             continue
         t1, t3 = kept.get(f"{name}.w1.weight"), kept.get(f"{name}.w3.weight")
-        if t1 is None or t3 is None or t1["q"].shape[1] % 32:
+        if t1 is None or t3 is None or not fits_kernel(t1["q"].shape[1]):
             continue
-        mod.w13_plugin = stacked_fp8_linear([t1, t3], act_block, w_block)
+        mod.w13_plugin = stacked_fp8_linear([t1, t3], block)
         done |= {f"{name}.w1", f"{name}.w3"}
     return done
 

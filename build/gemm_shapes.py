@@ -11,19 +11,24 @@ from dsflash.convert.layouts import bf16_cache_eligible
 from dsflash.model_def.config import args_from_hf_dict
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import tensor_table
+from dsflash.plugins.refs import ACT_BLOCKS
 
 GROUP32_BLOCK = 32
-GEMM_BLOCKS = {32: (32, 32), 128: (128, 128)}   # weight block -> (activation group, weight block) the kernels take
 NOT_LINEAR_SUFFIXES = ("attn.wo_a.weight",)
 SHARED_W13 = ("shared_experts.w1.weight", "shared_experts.w3.weight")
 
 
-def gemm_blocks(args) -> tuple[int, int] | None:
-    """(activation group, weight block) of a model's FP8 linears when the GEMM kernels take them (V4.1: 32, 32;
-    V4: 128, 128), else None."""
-    if args.act_block != args.weight_block:
-        return None
-    return GEMM_BLOCKS.get(args.weight_block)
+def gemm_block(args) -> int | None:
+    """The block of a model's FP8 linears when the GEMM kernels take it: activation groups 1×b and weight blocks b×b
+    (V4.1: 32, V4: 128), else None."""
+    b = args.weight_block
+    return b if args.act_block == b and b in ACT_BLOCKS else None
+
+
+def fits_kernel(k: int) -> bool:
+    """Whether the GEMM kernels take a linear of K inputs (their scales come per 32 columns); else it runs its
+    reference (`build.bind`)."""
+    return k % GROUP32_BLOCK == 0
 
 
 def stacks_w13(rows: int, w_block: int = GROUP32_BLOCK) -> bool:
@@ -46,9 +51,9 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
     sharing a `layers.*` shape) run the FP8 path with the bucket's best FP8 config (`tune.gemm_table`).
     """
     args = args_from_hf_dict(engine["model"], "engine.json")
-    if gemm_blocks(args) is None:
+    block = gemm_block(args)
+    if block is None:
         return []
-    w_block = gemm_blocks(args)[1]
     # plan only the dense FP8 entries: the experts' cuts (most of the table) do not matter here
     table = [e for e in tensor_table(args) if _is_dense_linear(e.name, e.role)]
     mapping = Mapping.from_dict(engine["mapping"]).for_rank(rank)
@@ -59,14 +64,13 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
         if e.name not in cuts:
             continue
         n, k = cuts[e.name].shape(e.shape)
-        if k % GROUP32_BLOCK:   # bound to no kernel (`build.bind`)
+        if not fits_kernel(k):
             continue
-        if e.name.endswith(SHARED_W13) and stacks_w13(n, w_block):   # one GEMM over [w1; w3]
+        if e.name.endswith(SHARED_W13) and stacks_w13(n, block):   # one GEMM over [w1; w3]
             if e.name.endswith(SHARED_W13[1]):
                 continue
             n *= 2
-        s = shapes.setdefault((n, k), {"n": n, "k": k, "group": gemm_blocks(args)[0], "bf16_cache": False,
-                                       "names": []})
+        s = shapes.setdefault((n, k), {"n": n, "k": k, "group": block, "bf16_cache": False, "names": []})
         s["names"].append(e.name)
         s["bf16_cache"] |= hopper and bf16_cache_eligible(e, args)
     return [shapes[nk] for nk in sorted(shapes)]

@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
-    E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
+    ACT_BLOCKS, E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
 from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
 from dsflash.plugins.tuning import GemmConfig
@@ -170,7 +170,7 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     m, k = a_q.shape
     n, kw = w_q.shape
     cfg = config or tuning.get_config(n, k, m, group=group)
-    assert group in (QBLOCK, 4 * QBLOCK) and group % cfg.promotes_every == 0, \
+    assert group in ACT_BLOCKS and group % cfg.promotes_every == 0, \
         f"config {cfg.tag()} promotes every {cfg.promotes_every} K, but the scales are constant over {group} only"
     if cfg.gemv:   # CUDA-core split-K GEMV for M <= 8 (fp8_gemv.py; it checks its operands); w_tiled is not used
         from dsflash.plugins.fp8_gemv import fp8_gemv

@@ -113,20 +113,15 @@ def rmsnorm_act_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, sca
 
 # -- group-32 FP8 dense GEMM ----------------------------------------------------------------------------------------
 def quant_weight_fp8_ref(w: torch.Tensor, block: int = QBLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, K] (multiples of 32) -> (e4m3 [N, K], e8m0 [N/32, K/32]) with pow2 `block`×`block` scales (32: V4.1,
-    128: V4), the latter in the kernels' 32×32 format (`expand_weight_scales`)."""
+    """fp32 [N, K] (K a multiple of 32) -> (e4m3 [N, K], e8m0 [ceil(N/32), K/32]) with pow2 `block`×`block` scales
+    (32: V4.1, 128: V4; ragged edges as zero padding), in the kernels' 32×32 format (`expand_weight_scales`)."""
     n, k = w.shape
-    if block != QBLOCK:
-        bn, bk = -(-n // block), -(-k // block)
-        pad = torch.zeros(bn * block, bk * block, dtype=torch.float32, device=w.device)
-        pad[:n, :k] = w.float()
-        s = fp8_pow2_scale(pad.reshape(bn, block, bk, block).abs().amax((1, 3)))   # [N/b, K/b]
-        q = (w.float() / s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k])
-        return q.clamp(-FP8_MAX, FP8_MAX).to(E4M3), expand_weight_scales(scale_to_e8m0(s), n, k, block)
-    wb = w.float().reshape(n // QBLOCK, QBLOCK, k // QBLOCK, QBLOCK)
-    s = fp8_pow2_scale(wb.abs().amax((1, 3)))  # [N/32, K/32]
-    q = (wb / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3).reshape(n, k)
-    return q, scale_to_e8m0(s)
+    bn, bk = -(-n // block), -(-k // block)
+    pad = torch.zeros(bn * block, bk * block, dtype=torch.float32, device=w.device)   # ragged edges: zeros
+    pad[:n, :k] = w.float()
+    s = fp8_pow2_scale(pad.reshape(bn, block, bk, block).abs().amax((1, 3)))   # [N/b, K/b]
+    q = w.float() / s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return q.clamp(-FP8_MAX, FP8_MAX).to(E4M3), expand_weight_scales(scale_to_e8m0(s), n, k, block)
 
 
 def expand_weight_scales(w_s: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
