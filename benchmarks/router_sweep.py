@@ -43,7 +43,7 @@ def _check(x, gw, bias, w, ids) -> float:
 def _kernel_us(tiles: moe.RouterTiles, x, gw, bias, calls: int = 50) -> dict[str, float]:
     """Mean device time per call of each router kernel (torch.profiler, eager): what the launches themselves take,
     apart from the gaps between them."""
-    moe.router_tiles = lambda t, e, d: tiles
+    moe.router_tiles = lambda t, e, d, qblock=32: tiles
     for _ in range(3):
         moe.router(x, gw, bias, MOE_TOPK, MOE_SCALE, xq_layout="gemv16")
     torch.cuda.synchronize()
@@ -80,7 +80,7 @@ def main() -> None:
         calls_x = list(zip(xs, gws))
 
         def timed(tiles):
-            moe.router_tiles = lambda t_, e_, d_: tiles
+            moe.router_tiles = lambda t_, e_, d_, qblock_=32: tiles
             w, ids, _ = moe.router(xs[0], gws[0], bias, MOE_TOPK, MOE_SCALE, xq_layout="gemv16")
             agree = _check(xs[0], gws[0], bias, w, ids)
             us, _ = graph_time_us([lambda x=x, g=g: moe.router(x, g, bias, MOE_TOPK, MOE_SCALE, xq_layout="gemv16")

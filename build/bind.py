@@ -16,7 +16,7 @@ from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_blo
 from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
-from dsflash.plugins.refs import expand_weight_scales
+from dsflash.plugins.refs import QBLOCK, expand_weight_scales
 
 log = logging.getLogger("dsflash.bind")
 ATTENTIONS = (Attention, v4.Attention)   # V4.1's and V4's: the same `_output` (sink attention, inverse RoPE, WO-A)
@@ -150,17 +150,25 @@ def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
 
 
 def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
-    """Bind every V4.1 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
-    addresses from its first global id."""
+    """Bind every V4.1 or V4 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
+    addresses from its first global id. V4's experts read 1×128 activations (`gemm_block`), its gate is stored as
+    the BF16 the router kernel reads (its checkpoint values: the same numbers)."""
     from dsflash.model_def.v41 import MoE
     if not args.norm_topk_prob:
         dispatch.warn_once("moe-norm", "moe plugin: norm_topk_prob=false runs the reference MoE")
         return 0
+    qblock = gemm_block(args) or QBLOCK
     n = 0
     for name, moe in model.named_modules():
-        if not isinstance(moe, MoE):
+        if isinstance(moe, v4.MoE):
+            ids = [e for e, m in enumerate(moe.experts) if m is not None]
+            moe.gate.weight.data = moe.gate.weight.data.to(torch.bfloat16).contiguous()
+            topk, scale, temp = moe.gate.topk, moe.gate.route_scale, 1.0
+        elif isinstance(moe, MoE):
+            ids = sorted(int(e) for e in moe.experts)
+            topk, scale, temp = moe.gate.topk, moe.gate.scale, moe.gate.temp
+        else:
             continue
-        ids = sorted(int(e) for e in moe.experts)
         if ids != list(range(ids[0], ids[0] + len(ids))) or len(ids) * ep_size != moe.gate.weight.shape[0]:
             raise ValueError(f"{name}: the MoE plugin needs each of the {ep_size} EP ranks to own a contiguous block "
                              f"of {moe.gate.weight.shape[0]} // {ep_size} experts, this rank owns {ids[0]}..{ids[-1]} "
@@ -171,8 +179,8 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
 
         w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
         w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
-        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local,
-                                       moe.gate.topk, moe.gate.scale, moe.gate.temp, args.swiglu_limit, ids[0])
+        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local, topk, scale,
+                                       temp, args.swiglu_limit, ids[0], qblock)
         n += 1
     return n
 
@@ -207,6 +215,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, MoE) and mod.plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("moe", n, m, (a[0].detach().clone(),))))
+        elif isinstance(mod, v4.MoE) and mod.plugin is not None:   # (x, token ids: the hash layers route by them)
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("moe_v4", n, m, (a[0].detach().clone(), a[1]))))
         elif isinstance(mod, RMSNorm) and mod.plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("norm", n, m, (a[0].detach().clone(),))))
@@ -275,7 +286,7 @@ class _PassThrough(torch.nn.Module):
 # nested sites neutralised per replayed kind (their names, and whether they contribute 0): the FFN (and for V4, whose
 # replay runs the whole block, the attention) inside a block, wo_b after WO-A, the shared expert in the MoE
 _NESTED = {"mhc": (("ffn",), False), "mhc_v4": (("attn", "ffn"), False), "wo_a": (("wo_b",), False),
-           "moe": (("shared_experts",), True)}
+           "moe": (("shared_experts",), True), "moe_v4": (("shared_experts",), True)}
 
 
 def _replay(kind: str, mod, payload) -> float:
@@ -305,6 +316,9 @@ def _replay(kind: str, mod, payload) -> float:
             if kind == "mhc_v4":
                 X, ids = payload
                 return _rel(mod(X, ids, 0, {}), ref(X.float(), ids, 0, {}))
+            if kind == "moe_v4":
+                X, ids = payload
+                return _rel(mod(X, ids), ref(X.float(), ids))
             return _rel(mod._output(*payload), ref._output(*(_f32(t) for t in payload)))
     finally:
         if nested:

@@ -126,11 +126,11 @@ def to_layout(e: TensorEntry, ref: dict[str, torch.Tensor], layout: str, expert_
 
 # The plugin each op of a family's GPU engines takes (None: the last, fastest, of `PLUGIN_IMPLS`). V4 shares the FP8
 # linears (1×128 / 128×128 groups, read in the kernels' 32×32 scale format), the norms, the shared expert's SwiGLU,
-# WO-A and the mHC kernels (each site its own coefficients, so nothing to overlap: `fused`); its MoE (hash-routed
-# layers, 1×128 expert activations, which the fused expert kernels' 32-wide tiles cannot quantize) keeps the
-# reference.
+# WO-A and the mHC kernels (each site its own coefficients, so nothing to overlap: `fused`), and the MoE kernels
+# (1×128 expert activations, hash-routed layers given their picks).
 FAMILY_PLUGINS = {"v41": None,
-                  "v4": {"gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused"}}
+                  "v4": {"gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused",
+                         "moe": "mxfp4"}}
 
 
 def default_plugins(arch: str, disabled: tuple[str, ...] = (), family: str = "v41") -> dict[str, str]:

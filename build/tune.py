@@ -220,13 +220,16 @@ def _moe_buckets(engine: dict) -> list[dict]:
              "swiglu_limit": args.swiglu_limit}
     if ep > 1:   # (buckets of engines without EP keep their keys)
         shape["ep"] = ep
+    if args.family == "v4":   # 1×128 expert activations (V4.1's buckets keep their keys)
+        shape["qblock"] = 128
     return [{**shape, "m": m} for m in _m_buckets_for(engine)]
 
 
 def _moe_candidates(bucket: dict) -> list[dict]:
     from dsflash.plugins.moe_config import moe_candidates
     b = bucket
-    return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], b.get("ep", 1))]
+    return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], b.get("ep", 1),
+                                                b.get("qblock", 32))]
 
 
 class _MoeInputs:
@@ -253,7 +256,8 @@ class _MoeInputs:
             ipad = b["inter"]
             halves = (self.w13_q[:, :ipad], self.w13_s[:, :ipad], self.w13_q[:, ipad:], self.w13_s[:, ipad:])
             self._ref = refs.moe_ref(self.xs[0], self.gate_w, self.bias, b["topk"], MOE_ROUTE_SCALE, *halves,
-                                     self.w2_q, self.w2_s, b["swiglu_limit"], b["inter_valid"], self.shared[0])
+                                     self.w2_q, self.w2_s, b["swiglu_limit"], b["inter_valid"], self.shared[0],
+                                     qblock=b.get("qblock", 32))
         return self._ref
 
 
@@ -268,7 +272,8 @@ def _moe_make(bucket: dict, cand: dict) -> _Rotation:
     from dsflash.plugins.moe_config import MoeConfig
     inp, cfg, b = _moe_inputs(_key(bucket)), MoeConfig.from_dict(cand), bucket
     calls = [functools.partial(moe, x, inp.gate_w, inp.bias, b["topk"], MOE_ROUTE_SCALE, inp.w13_q, inp.w13_s,
-                               inp.w2_q, inp.w2_s, b["swiglu_limit"], b["inter_valid"], sh, config=cfg)
+                               inp.w2_q, inp.w2_s, b["swiglu_limit"], b["inter_valid"], sh, config=cfg,
+                               qblock=b.get("qblock", 32))
              for x, sh in zip(inp.xs, inp.shared)]
     return _verified(calls, functools.partial(inp.ref, b), MOE_REL_TOL)
 
@@ -428,8 +433,9 @@ def moe_table(tuned: dict | None) -> dict:
     for e in (tuned or {}).get("entries", []):
         if e["op"] == MOE.name:
             b = e["bucket"]
-            per_shape.setdefault((b["e"], b["inter"], b["d"], b["topk"], b.get("ep", 1)), {})[b["m"]] = e["config"]
-    return {key_str(*shape[:4], b, shape[4]): v for shape, by_m in per_shape.items()
+            per_shape.setdefault((b["e"], b["inter"], b["d"], b["topk"], b.get("ep", 1), b.get("qblock", 32)),
+                                 {})[b["m"]] = e["config"]
+    return {key_str(*shape[:4], b, *shape[4:]): v for shape, by_m in per_shape.items()
             for b, v in _pow2_cover(by_m).items()}
 
 

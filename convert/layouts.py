@@ -94,7 +94,10 @@ DTYPE_BYTES = {"BF16": 2, "F32": 4, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4
 # decode steps keep reading the FP8 copy (half the bytes). Saving and cost both scale with N·K, so every weight pays
 # the same per byte of cache; what differs is whether its GEMM regularly sees M >= 150. Hence the rule, per entry:
 #   1. dense FP8 with group-32 scales (`fp8_block` and weight_block == 32: V4.1). V4's 128×128 blocks promote once
-#      per 128 K, so FP8 stays near 1.35 PFLOP/s, faster than BF16 at every M and half the bytes: no copy.
+#      per 128 K: measured at M = 4096 (benchmarks/gemm_v4_s12_h200.json) its FP8 GEMM matches or beats the BF16
+#      one on five of six V4 shapes (0.97–1.26×) at half the bytes; only wq_b (K = 1024) is faster in BF16 (366
+#      against 456 µs at TP1, ~11 µs per layer and 4096 tokens on a TP8 rank), which would cost 0.34 GiB of copies
+#      per TP8 rank: no copy.
 #   2. in a main decoder layer (`layers.*`): those GEMMs see every prompt token. The MTP / DSpark drafter blocks
 #      (`mtp.*`) never run without speculative decoding (the seed's measured configuration) and with it see
 #      batch × draft tokens per step, below ~150 except at the largest batches: their copy (0.30 GiB per TP8 rank)

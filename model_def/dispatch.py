@@ -92,27 +92,29 @@ class FusedSwiGLU(nn.Module):
 
 
 class MXFP4MoE(nn.Module):
-    """Plugin of a V4.1 `MoE` (text tokens): router + routed MXFP4 experts + shared-expert add, one op.
+    """Plugin of a V4.1 `MoE` (text tokens) or a V4 `MoE`: router + routed MXFP4 experts + shared-expert add, one op.
 
     w13_q int8 [E, 2·I_pad, D/2] (w1 rows, then w3), w13_s e8m0 [E, 2·I_pad, D/32], w2_q [E, D, I_pad/2],
     w2_s [E, D, I_pad/32]; `inter` is the logical local intermediate width (padded columns are zero). Under expert
-    parallelism the E experts are this rank's block, global ids expert_start.. (the gate routes over all of them)."""
+    parallelism the E experts are this rank's block, global ids expert_start.. (the gate routes over all of them).
+    qblock: the experts' activation quantization block (V4.1 32, V4 128)."""
 
     def __init__(self, w13_q, w13_s, w2_q, w2_s, inter: int, topk: int, route_scale: float, gate_temp: float,
-                 swiglu_limit: float, expert_start: int = 0):
+                 swiglu_limit: float, expert_start: int = 0, qblock: int = 32):
         super().__init__()
         for name, t in (("w13_q", w13_q), ("w13_s", w13_s), ("w2_q", w2_q), ("w2_s", w2_s)):
             self.register_buffer(name, t.contiguous())
-        self.expert_start = expert_start
+        self.expert_start, self.qblock = expert_start, qblock
         self.inter, self.topk, self.route_scale = inter, topk, route_scale
         self.gate_temp, self.swiglu_limit = gate_temp, swiglu_limit
 
     def forward(self, flat: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor,
-                shared: torch.Tensor) -> torch.Tensor:
-        """flat [T, D], shared [T, D] (the shared expert's output) -> fp32 [T, D] before the TP all-reduce."""
+                shared: torch.Tensor | None, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """flat [T, D], shared [T, D] (the shared expert's output, or None) -> fp32 [T, D] before the TP all-reduce;
+        hash_ids int32 [T, k]: the picks of a V4 hash-routed layer."""
         return ops().moe(_flat(flat), gate_w, gate_bias, self.topk, self.route_scale, self.w13_q, self.w13_s,
                          self.w2_q, self.w2_s, self.swiglu_limit, self.inter, shared, self.gate_temp,
-                         self.expert_start)
+                         self.expert_start, self.qblock, hash_ids)
 
 
 class FusedHC(nn.Module):

@@ -392,10 +392,13 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList([Expert(D, hi - lo, numerics, "fp4", lim, dtype) if e in local else None
                                       for e in range(E)])
         self.shared_experts = Expert(D, I, numerics, "fp8", lim, dtype)
+        self.plugin: nn.Module | None = None   # dispatch.MXFP4MoE (qblock 128), attached by an engine loader
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x, ids = x.reshape(-1, shape[-1]), ids.reshape(-1)
+        if self.plugin is not None:
+            return self._forward_plugin(x, ids).to(x.dtype).view(shape)
         w, idx = self.gate(x, ids)
         y = torch.zeros_like(_acc(x))
         for e in idx.unique().tolist():
@@ -407,6 +410,21 @@ class MoE(nn.Module):
             y = self.comm.all_reduce(y)
         y = y + self.shared_experts(x).to(y.dtype)
         return y.to(x.dtype).view(shape)
+
+    def _forward_plugin(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The MoE plugin (fp32 out): hash-routed layers pass their picks (`tid2eid` of the tokens). The replicated
+        shared expert joins the routed sum inside the op without TP, after the all-reduce with it."""
+        g = self.gate
+        if g.hash:
+            hash_ids, bias = g.tid2eid[ids].to(torch.int32).contiguous(), g.weight.new_zeros(g.weight.shape[0],
+                                                                                             dtype=torch.float32)
+        else:
+            hash_ids, bias = None, g.bias
+        shared = self.shared_experts(x)
+        y = self.plugin(x, g.weight, bias, shared if self.tp == 1 else None, hash_ids)
+        if self.tp > 1:
+            y = self.comm.all_reduce(y) + shared.float()
+        return y
 
 
 class Block(nn.Module):

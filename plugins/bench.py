@@ -1,14 +1,15 @@
 """Kernel benchmark (`make bench-kernels`, GPU): every plugin against its reference path and the measured ceilings.
 
-    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4]
+    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4]
                                     [--ms 1,3,8,64,257,4096]
                                     [--merge]   (replace only the rows of the sections and M run, keep the file's others)
 
 One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
 GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
 the op), the reference path's time in the same run and the speedup, and ‖Δ‖/‖ref‖ parity. V4.1-Flash shapes for TP1
-and one TP8 rank; `gemm_v4`: the FP8 GEMM at V4-Flash shapes with its 1×128 / 128×128 groups (rows "v4_..."). The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are measured
-in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cache) in tuned.json's format.
+and one TP8 rank; `gemm_v4` / `moe_v4`: the FP8 GEMM and the MoE at V4-Flash shapes with its 1×128 activation
+groups (rows "v4_..."). The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are
+measured in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cache) in tuned.json's format.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ GEMM_V4_SHAPES = [
 # op-name prefixes of each section's rows (for --merge)
 SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act"),
                "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",),
-               "gemm_v4": ("v4_",)}
+               "gemm_v4": ("v4_fp8_gemm", "v4_bf16_cache_gemm", "v4_scaled_mm"), "moe_v4": ("v4_moe",)}
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -339,6 +340,23 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
 MOE_E, MOE_TOPK, MOE_LIMIT, MOE_SCALE = 384, 6, 10.0, 1.5
 # (name, logical intermediate, padded, EP ranks): TP1, one TP8 rank (MoE-TP), one EP8 rank (48 experts of 384)
 MOE_SHAPES = [("tp1", 2304, 2304, 1), ("tp8", 288, 320, 1), ("ep8", 2304, 2304, 8)]
+# V4-Flash (`moe_v4`, rows "v4_moe..."): 256 experts of 2048, hidden 4096, top-6, activations quantized per 1×128
+MOE_V4_SHAPES = [("tp1", 2048, 2048, 1), ("tp8", 256, 256, 1), ("ep8", 2048, 2048, 8)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeFamily:
+    """What `bench_moe` times: experts, hidden, top-k, shapes, the activation quantization block, the rows' prefix."""
+    experts: int
+    hidden: int
+    topk: int
+    shapes: tuple
+    qblock: int
+    prefix: str
+
+
+MOE_V41 = MoeFamily(MOE_E, HIDDEN, MOE_TOPK, tuple(MOE_SHAPES), 32, "")
+MOE_V4 = MoeFamily(256, 4096, 6, tuple(MOE_V4_SHAPES), 128, "v4_")
 WO_A_SHAPES = [("tp1", 64, 8), ("tp8", 8, 1)]                   # (tp, local heads, local o_groups)
 WO_A_D, WO_A_RD, WO_A_R = 512, 64, 1024
 
@@ -359,18 +377,19 @@ def _eager_time_us(calls: list, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
+def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V41) -> list[dict]:
     """Router, the decode GEMV GEMMs (w13 + SwiGLU epilogue, w2 + weighted reduction) and the whole routed-expert
     pass at V4.1-Flash shapes (384 experts, top-6, hidden 5120; TP1, one TP8 rank, one EP8 rank: its 48 experts,
-    routed over all 384). Bytes = the distinct routed experts' MXFP4 weights + e8m0 scales on this rank (what the op
-    must read) + activations in/out."""
+    routed over all 384), or V4-Flash's (`MOE_V4`: 256 experts of 2048, hidden 4096, 1×128 activations; rows
+    prefixed "v4_"). Bytes = the distinct routed experts' MXFP4 weights + e8m0 scales on this rank (what the op must
+    read) + activations in/out."""
     from dsflash.plugins import moe as M
     rows = []
-    d, e, k = HIDDEN, MOE_E, MOE_TOPK
+    d, e, k, qb, pre = fam.hidden, fam.experts, fam.topk, fam.qblock, fam.prefix
     gen = torch.Generator(device=DEV).manual_seed(3)
     gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV, generator=gen) * 0.05
-    for tp, inter, ipad, ep in MOE_SHAPES:
+    for tp, inter, ipad, ep in fam.shapes:
         el = e // ep   # this rank's experts: the first block (expert_start 0)
         w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(el, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
@@ -378,7 +397,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
         b2 = d * ipad // 2 + d * ipad // 32
         for m in ms:
             if time.time() > deadline:
-                rows.append({"op": "moe", "shape": tp, "M": m, "error": "skipped: time budget"})
+                rows.append({"op": pre + "moe", "shape": tp, "M": m, "error": "skipped: time budget"})
                 continue
             shape = (f"{tp} E{e}" + (f"/{el}" if ep > 1 else "") + f" k{k} {d}x{inter}"
                      + (f"(pad {ipad})" if ipad != inter else ""))
@@ -386,30 +405,30 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 n_sets = 8 if m <= 64 else 2
                 xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(n_sets)]
-                cfg = M.default_moe_config(m, k, el, ipad, d, ep)
+                cfg = M.default_moe_config(m, k, el, ipad, d, ep, qb)
                 lay = cfg.xq_layout
                 # an EP rank lists its pairs, as `moe.moe` does: the decode GEMVs then launch for its share only
                 lists = [M.local_pairs(m, k, DEV) if ep > 1 else None for _ in xs]
-                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay, local_experts=el, pairs=pl)
+                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay, local_experts=el, pairs=pl, qblock=qb)
                           for x, pl in zip(xs, lists)]
                 n_act = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
                 p = m * k
                 # router (+ the deploy activation quant it also writes)
                 if tp == "tp1":
                     nb = e * d * 2 + m * d * 2 + m * d * (4 if cfg.gemv else 2) + p * 8
-                    us, how = graph_time_us([lambda x=x: M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay)
+                    us, how = graph_time_us([lambda x=x: M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay, qblock=qb)
                                               for x in xs])
                     ref_us, _ = graph_time_us([lambda x=x: (refs.router_ref(x, gw, bias, k, MOE_SCALE),
-                                                             refs.fp8_fake_quant_ref(x)) for x in xs])
+                                                             refs.fp8_fake_quant_ref(x, qb)) for x in xs])
                     wr, ir = refs.router_ref(xs[0], gw, bias, k, MOE_SCALE)
                     same = (routed[0][1].long().sort(1).values == ir.sort(1).values).float().mean().item()
-                    rows.append(_row("moe_router", f"E{e}xD{d} top{k}", m, us, ref_us, nb, 2 * m * e * d, ceil,
+                    rows.append(_row(pre + "moe_router", f"E{e}xD{d} top{k}", m, us, ref_us, nb, 2 * m * e * d, ceil,
                                      None, timing=how, ids_match=same, config=f"xq={lay}"))
                 ref_out = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, MOE_LIMIT,
-                                               inter, shared[0])
+                                               inter, shared[0], qb)
                 ref_us = _eager_time_us([lambda i=i: refs.moe_experts_ref(xs[i], routed[i][0], routed[i][1].long(),
                                                                           *w1, w2_q, w2_s, MOE_LIMIT, inter,
-                                                                          shared[i]) for i in range(n_sets)],
+                                                                          shared[i], qb) for i in range(n_sets)],
                                         reps=5 if m <= 64 else 2)
                 nb_w = n_act * (b13 + b2)
                 nb_act = m * d * 2 + 2 * m * d * 4
@@ -418,29 +437,29 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                 best = None
                 tried = []
                 xq_in = {lay: [r[2] for r in routed]}
-                for c in M.moe_candidates(m, k, el, ipad, d, ep):
+                for c in M.moe_candidates(m, k, el, ipad, d, ep, qb):
                     try:   # each config reads its own activation layout (the router writes any of them)
                         if c.xq_layout not in xq_in:
                             xq_in[c.xq_layout] = [M.as_layout(r[2], c.xq_layout) for r in routed]
                         xin = xq_in[c.xq_layout]
                         out = M.moe_experts(xin[0], routed[0][0], routed[0][1], w13_q, w13_s, w2_q, w2_s,
-                                            MOE_LIMIT, inter, shared[0], c, ep, lists[0])
+                                            MOE_LIMIT, inter, shared[0], c, ep, lists[0], qb)
                         err = refs.rel_err(out, ref_out)
                         us, how = graph_time_us([lambda i=i, c=c, xin=xin: M.moe_experts(
                             xin[i], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s, MOE_LIMIT, inter,
-                            shared[i], c, ep, lists[i]) for i in range(n_sets)])
+                            shared[i], c, ep, lists[i], qb) for i in range(n_sets)])
                     except Exception as ex:
-                        rows.append({"op": "moe_experts", "shape": shape, "M": m, "config": c.tag(),
+                        rows.append({"op": pre + "moe_experts", "shape": shape, "M": m, "config": c.tag(),
                                      "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
                         continue
                     tried.append([c.tag(), round(us, 2), err])
-                    r = _row("moe_experts", shape, m, us, ref_us, nb_w + nb_act, flops, ceil, err, timing=how,
+                    r = _row(pre + "moe_experts", shape, m, us, ref_us, nb_w + nb_act, flops, ceil, err, timing=how,
                              config=c.tag(), weight_MB=nb_w / 1e6, active_experts=n_act)
                     if best is None or us < best["us"]:
                         best, best_cfg = r, c
                 if best is None:
                     raise RuntimeError("no MoE config ran")
-                rows.append(best | {"op": "moe_experts[tuned]", "candidates": tried})
+                rows.append(best | {"op": pre + "moe_experts[tuned]", "candidates": tried})
                 # the two GEMMs of the decode path on their own (best config; without PDL, which only matters
                 # between different kernels: a launch chained to itself would hold SM slots waiting for its twin)
                 if best_cfg.gemv:
@@ -448,33 +467,33 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float) -> list[dict]:
                     xin = xq_in[best_cfg.xq_layout]
                     slots = M.local_pair_slots(p, ep)
                     hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg, None, None,
-                                      lists[i], slots) for i, r in enumerate(routed)]
+                                      lists[i], slots, qb) for i, r in enumerate(routed)]
                     outs = [torch.zeros(m, d, device=DEV) for _ in range(n_sets)]
                     us13, how = graph_time_us([lambda i=i: M.gemv_w13(xin[i], routed[i][0], routed[i][1],
                                                                        w13_q, w13_s, inter, MOE_LIMIT, best_cfg, None,
-                                                                       None, lists[i], slots)
+                                                                       None, lists[i], slots, qb)
                                                 for i in range(n_sets)])
                     us2, _ = graph_time_us([lambda i=i: M.gemv_w2(hps[i], routed[i][1], w2_q, w2_s, outs[i],
                                                                    best_cfg, lists[i], slots) for i in range(n_sets)])
-                    rows.append(_row("moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
+                    rows.append(_row(pre + "moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
                                      2 * p * d * 2 * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b13 / 1e6))
-                    rows.append(_row("moe_w2_gemv", shape, m, us2, None, n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
+                    rows.append(_row(pre + "moe_w2_gemv", shape, m, us2, None, n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
                                      2 * p * d * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b2 / 1e6))
                 # router + experts (the EP rank: the op as `moe.moe` runs it, with its pair list)
                 if tp == "tp1" or ep > 1:
                     us, how = graph_time_us([lambda i=i: M.moe(xs[i], gw, bias, k, MOE_SCALE, w13_q, w13_s, w2_q,
-                                                                w2_s, MOE_LIMIT, inter, shared[i])
+                                                                w2_s, MOE_LIMIT, inter, shared[i], qblock=qb)
                                               for i in range(n_sets)])
                     ref_full = _eager_time_us([lambda i=i: refs.moe_ref(xs[i], gw, bias, k, MOE_SCALE, *w1, w2_q, w2_s,
-                                                                        MOE_LIMIT, inter, shared[i])
+                                                                        MOE_LIMIT, inter, shared[i], qblock=qb)
                                                for i in range(n_sets)], reps=5 if m <= 64 else 2)
-                    rows.append(_row("moe(router+experts)", shape, m, us, ref_full, nb_w + nb_act + e * d * 2,
+                    rows.append(_row(pre + "moe(router+experts)", shape, m, us, ref_full, nb_w + nb_act + e * d * 2,
                                      flops, ceil, None, timing=how, weight_MB=nb_w / 1e6))
                 del xs, shared, routed, xq_in
             except Exception as ex:
-                rows.append({"op": "moe", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
+                rows.append({"op": pre + "moe", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
                              "trace": traceback.format_exc()[-2000:]})
             torch.cuda.empty_cache()
         del w13_q, w13_s, w2_q, w2_s, w1
@@ -545,17 +564,18 @@ def targets(rows: list[dict]) -> dict:
                           "pass": r["fp8_gemm_vs_scaled_mm"] >= 0.7})
         if op == "mhc_site":
             site.append({"M": m, "speedup": r["speedup"], "pass": r["speedup"] >= 3})
-    moe = [{"op": op, "shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
-            "pass": r["pct_copy_bw"] >= 60}
-           for (op, shape, m), r in by_key.items()
-           if op in ("moe_w13_gemv", "moe_w2_gemv", "moe_experts[tuned]") and m <= 8 and r.get("weight_MB", 0) >= 16]
+    moe, v4_moe = ([{"op": op, "shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
+                     "pass": r["pct_copy_bw"] >= 60}
+                    for (op, shape, m), r in by_key.items()
+                    if op in (pre + "moe_w13_gemv", pre + "moe_w2_gemv", pre + "moe_experts[tuned]") and m <= 8
+                    and r.get("weight_MB", 0) >= 16] for pre in ("", "v4_"))
     woa = [{"shape": shape, "M": m, "weight_MB": r["weight_MB"], "pct_copy_bw": r["pct_copy_bw"],
             "pass": r["pct_copy_bw"] >= 60}
            for (op, shape, m), r in by_key.items() if op == "wo_a[tuned]" and m <= 8 and r.get("weight_MB", 0) >= 16]
     return {"decode_gemm_ge16MB_ge60pct_copy_bw": dec, "large_m_fp8_ge70pct_scaled_mm": big,
             "fused_mhc_ge3x_unfused": site, "decode_moe_ge16MB_ge60pct_copy_bw": moe,
             "decode_wo_a_ge16MB_ge60pct_copy_bw": woa, "v4_decode_gemm_ge16MB_ge60pct_copy_bw": v4_dec,
-            "v4_large_m_fp8_ge70pct_scaled_mm": v4_big}
+            "v4_large_m_fp8_ge70pct_scaled_mm": v4_big, "v4_decode_moe_ge16MB_ge60pct_copy_bw": v4_moe}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -577,7 +597,7 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the results JSON here")
-    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a,gemm_v4")
+    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4")
     ap.add_argument("--merge", action="store_true",
                     help="merge into the existing --out file: replace only the rows of the sections and token counts "
                          "run now")
@@ -629,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (memcpy {ceil['memcpy_GBps']:.0f}, elementwise "
           f"{ceil['elementwise_GBps']:.0f}), fp8 _scaled_mm {ceil['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s, "
           f"bf16 mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s", flush=True)
-    for sec in ("mhc", "act", "gemm", "moe", "wo_a", "gemm_v4"):
+    for sec in ("mhc", "act", "gemm", "moe", "wo_a", "gemm_v4", "moe_v4"):
         if sec not in sections:
             continue
         try:
@@ -639,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"] += bench_act(ceil, ms)
             elif sec == "moe":
                 result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s)
+            elif sec == "moe_v4":
+                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s, MOE_V4)
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
             elif sec == "gemm_v4":

@@ -1,4 +1,8 @@
-"""V4.1 MoE on Hopper: router kernel, expert-sorted layout, and MXFP4-weight × BF16-activation grouped GEMMs.
+"""V4.1 / V4 MoE on Hopper: router kernel, expert-sorted layout, and MXFP4-weight × BF16-activation grouped GEMMs.
+
+V4-Flash (`qblock=128`): x and h are quantized per 1×128 (scales still one per 32 columns, a 128-block's repeated:
+the kernels' one format; a w13 tile then holds whole 128-blocks of h, `moe_config.for_qblock`), and its hash-routed
+layers give the router their picks (`hash_ids`: `tid2eid` of the tokens) instead of a top-k.
 
 Pipeline (five launches, no host sync, CUDA-graph capturable):
 1. `_router_logits_kernel`: logits [T, E] = x·Wgᵀ (BF16 operands, fp32 accumulation: the reference's fp32 linear
@@ -60,22 +64,25 @@ QBLOCK = 32
 
 # -- shared helpers ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 1×32 quantization with one pow2 scale per 32
-    consecutive ROWS of each column (the reference's 1×32 blocks run along dim 0 of this transposed tile):
-    (codes fp32 [ROWS, COLS] (e4m3 values), scales fp32 [ROWS/32, COLS]). Scale 2^e,
-    e = ceil(log2(max(amax, 1e-4) / 448)) (`tl_helpers.scale_exp`, as act_quant._quant_g32)."""
-    v3 = tl.reshape(v, (ROWS // 32, 32, COLS))
-    e = scale_exp(tl.max(tl.abs(v3), axis=1))                            # [ROWS/32, COLS]
-    sc = exp2i(e)
+def _quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr = 32):
+    """v [ROWS, COLS] fp32 (values already BF16-exact) -> FP8 e4m3 1×QB quantization (QB 32: V4.1, 128: V4) with one
+    pow2 scale per QB consecutive ROWS of each column (the reference's 1×QB blocks run along dim 0 of this transposed
+    tile): (codes fp32 [ROWS, COLS] (e4m3 values), scales fp32 [ROWS/32, COLS], a QB-block's scale repeated for each
+    of its 32-blocks: the kernels' one format). Scale 2^e, e = ceil(log2(max(amax, 1e-4) / 448))
+    (`tl_helpers.scale_exp`, as act_quant._quant_g32)."""
+    v3 = tl.reshape(v, (ROWS // QB, QB, COLS))
+    e = scale_exp(tl.max(tl.abs(v3), axis=1))                            # [ROWS/QB, COLS]
     q = tl.minimum(tl.maximum(v3 * exp2i(-e)[:, None, :], -448.0), 448.0).to(tl.float8e4nv)
+    sc = exp2i(e)
+    if QB != 32:
+        sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (ROWS // QB, QB // 32, COLS)), (ROWS // 32, COLS))
     return tl.reshape(q.to(tl.float32), (ROWS, COLS)), sc
 
 
 @triton.jit
-def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """`_quant_cols`, dequantized: the FP8 1×32 fake quant of v (fp32 out, exact)."""
-    q, sc = _quant_cols(v, ROWS, COLS)
+def _fake_quant_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr = 32):
+    """`_quant_cols`, dequantized: the FP8 1×QB fake quant of v (fp32 out, exact)."""
+    q, sc = _quant_cols(v, ROWS, COLS, QB)
     return tl.reshape(tl.reshape(q, (ROWS // 32, 32, COLS)) * sc[:, None, :], (ROWS, COLS))
 
 
@@ -85,9 +92,10 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, count_ptr, 
                           stride_xq, SPLIT, SPLIT_STRIDE,
                           BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_STAGES: tl.constexpr, WRITE_XQ: tl.constexpr, XQ_MODE: tl.constexpr,
-                          ZERO_COUNT: tl.constexpr):
+                          ZERO_COUNT: tl.constexpr, QB: tl.constexpr):
     """Partial logits of K slice pid_k -> logits[pid_k] (the top-k kernel sums the slices in order: deterministic).
-    The programs of the first expert tile also write xq for their K slice, in layout XQ_MODE: 0 natural BF16,
+    The programs of the first expert tile also write xq (FP8 1×QB, QB | BLOCK_K) for their K slice, in layout
+    XQ_MODE: 0 natural BF16,
     1 the fp32 GEMV layout (`gemv_act`), 2 the f16-code GEMV layout (`gemv16_act`: codes to xq_ptr, scales to
     xs_ptr). ZERO_COUNT: program (0, 0, 0) also zeroes the local-pair counter the top-k kernel appends to."""
     pid_e = tl.program_id(0)
@@ -115,14 +123,14 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, count_ptr, 
             if pid_e == 0:
                 xrow = xq_ptr + offs_t.to(tl.int64)[None, :] * stride_xq
                 if XQ_MODE == 2:
-                    q, sc = _quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
+                    q, sc = _quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T, QB)
                     tl.store(xrow + _pair_perm16(k0 + offs_k, K)[:, None], (q * 0.0625).to(tl.float16),
                              mask=mt[None, :])
                     offs_b = tl.arange(0, BLOCK_K // 32)
                     tl.store(xs_ptr + offs_t.to(tl.int64)[None, :] * (K // 32) + (k0 // 32 + offs_b)[:, None],
                              sc * 1024.0, mask=mt[None, :])
                 else:
-                    xq = _fake_quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T)
+                    xq = _fake_quant_cols(xt.to(tl.float32), BLOCK_K, BLOCK_T, QB)
                     if XQ_MODE == 1:   # the decode GEMV's pair-permuted fp32 layout, ×2^6 (exact)
                         tl.store(xrow + _pair_perm(k0 + offs_k, K)[:, None], xq * 64.0, mask=mt[None, :])
                     else:
@@ -133,27 +141,9 @@ def _router_logits_kernel(x_ptr, wg_ptr, logits_ptr, xq_ptr, xs_ptr, count_ptr, 
 
 # -- 2. scores, top-k, weights ----------------------------------------------------------------------------------------
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT_STRIDE,
-                        gate_temp, route_scale, eps, expert_start, n_local, list_ptr, count_ptr,
-                        SPLIT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                        NB_E: tl.constexpr, BLOCK_T: tl.constexpr, COMPACT: tl.constexpr):
-    """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials. The ids written are
-    local to the experts [expert_start, expert_start + n_local) (one EP rank's; all experts: 0, E): a pick outside
-    them is written as n_local, which the expert kernels skip (`refs.local_expert_ids`). COMPACT: the pairs
-    p = t·k + j picked here are also appended to list_ptr (count_ptr: how many, zeroed by the logits kernel), so the
-    decode GEMVs can run this rank's pairs only (order: atomic arrival)."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, NB_E)
-    kcol = tl.arange(0, KP)
-    mt = offs_t < T
-    mc = cols < E
-    lp = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :]
-    z = tl.load(lp, mask=mt[:, None] & mc[None, :], other=0.0)
-    for sk in tl.static_range(1, SPLIT):      # K-slice partials, all loads in flight at once, summed in slice order
-        z += tl.load(lp + sk * SPLIT_STRIDE, mask=mt[:, None] & mc[None, :], other=0.0)
-    z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
-    sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
-    s = tl.math.sqrt_rn(sp)
+def _select_topk(s, bias_ptr, offs_t, cols, kcol, mt, mc, stride_bias, TOPK: tl.constexpr, NB_E: tl.constexpr,
+                 BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """ids int32 [BLOCK_T, KP]: the top-k of s + bias per token (ties: the lowest index), in order of selection."""
     # bias: one row for every token (stride 0), or a row per token (V4.1: `bias_vl` on image tokens)
     bias = tl.load(bias_ptr + offs_t.to(tl.int64)[:, None] * stride_bias + cols[None, :],
                    mask=mt[:, None] & mc[None, :], other=0.0)
@@ -167,6 +157,37 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
         idx = NB_E - 1 - tl.max(key, axis=1).to(tl.int32)     # the low word (truncation)
         key = tl.where(cols[None, :] == idx[:, None], -9223372036854775807, key)
         ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
+    return ids
+
+
+@triton.jit
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, stride_bias, SPLIT_STRIDE,
+                        gate_temp, route_scale, eps, expert_start, n_local, list_ptr, count_ptr,
+                        hash_ptr, SPLIT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                        NB_E: tl.constexpr, BLOCK_T: tl.constexpr, COMPACT: tl.constexpr, HASH: tl.constexpr):
+    """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials. The ids written are
+    local to the experts [expert_start, expert_start + n_local) (one EP rank's; all experts: 0, E): a pick outside
+    them is written as n_local, which the expert kernels skip (`refs.local_expert_ids`). COMPACT: the pairs
+    p = t·k + j picked here are also appended to list_ptr (count_ptr: how many, zeroed by the logits kernel), so the
+    decode GEMVs can run this rank's pairs only (order: atomic arrival). HASH (V4's hash-routed layers): the picks are
+    given, hash_ptr int32 [T, TOPK] (`tid2eid` of the tokens), and no bias is read."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, NB_E)
+    kcol = tl.arange(0, KP)
+    mt = offs_t < T
+    mc = cols < E
+    lp = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + cols[None, :]
+    z = tl.load(lp, mask=mt[:, None] & mc[None, :], other=0.0)
+    for sk in tl.static_range(1, SPLIT):      # K-slice partials, all loads in flight at once, summed in slice order
+        z += tl.load(lp + sk * SPLIT_STRIDE, mask=mt[:, None] & mc[None, :], other=0.0)
+    z = tl.math.div_rn(z, tl.full(z.shape, gate_temp, tl.float32))
+    sp = tl.where(z > 20.0, z, libdevice.log1p(tl.exp(z)))               # torch softplus (beta 1, threshold 20)
+    s = tl.math.sqrt_rn(sp)
+    if HASH:
+        ids = tl.load(hash_ptr + offs_t.to(tl.int64)[:, None] * TOPK + kcol[None, :],
+                      mask=mt[:, None] & (kcol < TOPK)[None, :], other=-1)
+    else:
+        ids = _select_topk(s, bias_ptr, offs_t, cols, kcol, mt, mc, stride_bias, TOPK, NB_E, BLOCK_T, KP)
     # weights = the scores at the picked ids, gathered for all k at once: s [BT, 1, NB_E] at ids [BT, KP, 1]
     hit3 = tl.expand_dims(cols, 0)[:, None, :] == ids[:, :, None]
     wts = tl.where(kcol[None, :] < TOPK, tl.sum(tl.where(hit3, s[:, None, :], 0.0), axis=2), 0.0)
@@ -230,7 +251,7 @@ def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_p
                     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                     limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    NUM_STAGES: tl.constexpr, QB: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = pid_m * BLOCK_M
@@ -267,7 +288,7 @@ def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_p
     rw = tl.load(topw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     h = h * rw[None, :]
     h = tl.where((offs_n < N_VALID)[:, None], h, 0.0)
-    h = _fake_quant_cols(h.to(tl.bfloat16).to(tl.float32), BLOCK_N, BLOCK_M)
+    h = _fake_quant_cols(h.to(tl.bfloat16).to(tl.float32), BLOCK_N, BLOCK_M, QB)
     tl.store(h_ptr + slots.to(tl.int64)[None, :] * stride_h + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
              mask=mn[:, None] & valid[None, :])
 
@@ -529,7 +550,8 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
                          out_ptr, sh_ptr, D_OUT, stride_o, stride_sh,
                          N, N_VALID, K, TOPK, E, limit, list_ptr, count_ptr, T, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                         ACC16: tl.constexpr, INIT_OUT: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr):
+                         ACC16: tl.constexpr, INIT_OUT: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr,
+                         QB: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
@@ -557,7 +579,7 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
                 p = tl.load(list_ptr + s)
                 _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p,
                           tl.load(ids_ptr + p).to(tl.int64), pid_n, pid_k, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, EVEN, ACC16)
+                          BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -567,13 +589,13 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
                                 pid_n * SPLIT + pid_k, tl.num_programs(1) * SPLIT, INIT_OUT == 2)
         if e < E:
             _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
-                      N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
+                      N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
 
 
 @triton.jit
 def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
               N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
+              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr, QB: tl.constexpr):
     """`_moe_w13_gemv_kernel`'s work for pair p on (local) expert e."""
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
@@ -586,13 +608,13 @@ def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr
     gu = _mx_row_dots(w_e, s_e, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64), K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW,
                       NUM_STAGES, EVEN, ACC16)
     if SPLIT == 1:
-        _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
+        _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
     else:
         tile = p * tl.num_programs(1) + pid_n
         wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
             tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
-            _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16)
+            _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
 
 
 @triton.jit
@@ -627,8 +649,8 @@ def _init_out_share(out_ptr, sh_ptr, t, D, stride_o, stride_sh, i, n, COPY: tl.c
 
 @triton.jit
 def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N: tl.constexpr,
-                  ACC16: tl.constexpr):
-    """g|u [2·BN] -> clipped SwiGLU × routing weight -> BF16 -> FP8 1×32 fake quant -> h: pair-permuted fp32 ×2^6,
+                  ACC16: tl.constexpr, QB: tl.constexpr):
+    """g|u [2·BN] -> clipped SwiGLU × routing weight -> BF16 -> FP8 1×QB fake quant -> h: pair-permuted fp32 ×2^6,
     or (ACC16) f16 codes ×2^-4 [2, N/8, 4] + block scales ×2^10 (`gemv16_act`)."""
     g, u = tl.split(tl.trans(tl.reshape(gu, (2, BLOCK_N))))
     if limit > 0:
@@ -639,14 +661,14 @@ def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLO
     h = tl.where(offs_n < N_VALID, h, 0.0)
     h = tl.reshape(h.to(tl.bfloat16).to(tl.float32), (BLOCK_N, 1))
     if ACC16:
-        q, sc = _quant_cols(h, BLOCK_N, 1)
+        q, sc = _quant_cols(h, BLOCK_N, 1, QB)
         tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm16(offs_n, N), tl.reshape(q, (BLOCK_N,)) * 0.0625,
                  mask=offs_n < N)
         offs_b = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
         tl.store(hs_ptr + p.to(tl.int64) * (N // 32) + offs_b, tl.reshape(sc, (BLOCK_N // 32,)) * 1024.0,
                  mask=offs_b < N // 32)
     else:
-        h = tl.reshape(_fake_quant_cols(h, BLOCK_N, 1), (BLOCK_N,))
+        h = tl.reshape(_fake_quant_cols(h, BLOCK_N, 1, QB), (BLOCK_N,))
         tl.store(hp_ptr + p.to(tl.int64) * N + _pair_perm(offs_n, N), h * 64.0, mask=offs_n < N)
 
 
@@ -768,18 +790,19 @@ class RouterTiles:
     topk_warps: int
 
 
-def router_tiles(t: int, e: int, d: int) -> RouterTiles:
+def router_tiles(t: int, e: int, d: int, qblock: int = QBLOCK) -> RouterTiles:
     """The router's launch shape for T tokens, E experts, hidden D (H200 sweep, benchmarks/router_sweep_h200.json):
     64-expert × 128-K logits tiles on 8 warps, K split for ~2 programs per SM (at most 20 slices), and one token per
     top-k program (its k selection passes are latency-bound: more tokens per program only serialise them). Above
-    64 tokens (not swept): 32-expert × 64-K tiles on 4 warps, 4 tokens per top-k program."""
+    64 tokens (not swept): 32-expert × 64-K tiles on 4 warps, 4 tokens per top-k program. A K tile holds whole
+    quantization blocks of the activation the logits kernel also writes (qblock: 32, or V4's 128)."""
     if t > 64:
         tiles = triton.cdiv(e, 32) * triton.cdiv(t, 64)
-        bk = _div(d, 64, 32)
+        bk = max(_div(d, 64, 32), qblock)
         split = max(1, min(-(-2 * 132 // tiles), d // bk // 2, 16))
         return RouterTiles(64, 32, bk, split, 4, max(1, min(16, 2048 // triton.next_power_of_2(e))), 4)
     bt = 16 if t <= 16 else 64
-    bk = _div(d, 128, 32)
+    bk = max(_div(d, 128, 32), qblock)
     tiles = triton.cdiv(e, 64) * triton.cdiv(t, bt)
     split = max(1, min(-(-2 * 132 // tiles), d // bk, 20))
     return RouterTiles(bt, 64, bk, split, 8, 1, 4)
@@ -787,7 +810,8 @@ def router_tiles(t: int, e: int, d: int) -> RouterTiles:
 
 def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
            gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16",
-           expert_start: int = 0, local_experts: int | None = None, pairs: LocalPairs | None = None
+           expert_start: int = 0, local_experts: int | None = None, pairs: LocalPairs | None = None,
+           qblock: int = QBLOCK, hash_ids: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
     """x [T, D] BF16, gate_w [E, D] BF16, bias fp32 [E] or [T, E] (a row per token: V4.1 selects with `bias_vl` on
     image tokens) -> (weights fp32 [T, k], ids int32 [T, k], xq): xq = the FP8
@@ -796,7 +820,8 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     or None. Expert parallelism: with local_experts = L the ids are local to the experts [expert_start,
     expert_start + L) of this rank, and a pick of another rank's expert is L (`refs.local_expert_ids`); the weights
     stay normalised over all k picks. pairs (`local_pairs`): also list the pairs t·k + j picked on this rank there,
-    for the decode GEMVs to run only those."""
+    for the decode GEMVs to run only those. qblock: the activation's quantization block (32; V4: 128, D % 128 == 0).
+    hash_ids (V4's hash-routed layers): the picks, int32 [T, k] (`tid2eid` of the tokens); bias is then unused."""
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, (tuple(x.shape), x.dtype)
     assert gate_w.dtype == torch.bfloat16 and gate_w.is_contiguous() and gate_w.shape[1] == x.shape[1]
     assert xq_layout in (None, "bf16", "gemv", "gemv16"), xq_layout
@@ -805,6 +830,10 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     assert bias.shape in ((e,), (t, e)) and bias.dtype == torch.float32 and bias.is_contiguous(), \
         f"router bias must be fp32 [{e}] or [{t}, {e}], contiguous, got {bias.dtype} {tuple(bias.shape)}"
     assert d % QBLOCK == 0 and 1 <= topk <= e
+    assert qblock in (32, 128) and d % qblock == 0, f"router: D={d} is not whole {qblock}-wide quantization blocks"
+    if hash_ids is not None:
+        assert hash_ids.shape == (t, topk) and hash_ids.dtype == torch.int32 and hash_ids.is_contiguous(), \
+            f"hash_ids must be int32 [{t}, {topk}] contiguous, got {hash_ids.dtype} {tuple(hash_ids.shape)}"
     local_experts = e if local_experts is None else local_experts
     assert 0 <= expert_start and 1 <= local_experts and expert_start + local_experts <= e, \
         f"EP expert range [{expert_start}, {expert_start} + {local_experts}) is not inside the router's {e} experts"
@@ -821,7 +850,7 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
               torch.empty((t, d // QBLOCK), dtype=torch.float32, device=dev))
     if t == 0:
         return w, ids, xq
-    rt = router_tiles(t, e, d)
+    rt = router_tiles(t, e, d, qblock)
     logits = torch.empty((rt.split, t, e), dtype=torch.float32, device=dev)
     xq_out, xs_out = xq if isinstance(xq, tuple) else (x if xq is None else xq, logits)   # (unused ones: any)
     if pairs is not None:
@@ -832,12 +861,13 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
         x, gate_w, logits, xq_out, xs_out, pcount, t, e, d,
         x.stride(0), gate_w.stride(0), e, d, rt.split, t * e, BLOCK_E=rt.block_e, BLOCK_T=rt.block_t,
         BLOCK_K=rt.block_k, NUM_STAGES=3, WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0),
-        ZERO_COUNT=pairs is not None, num_warps=rt.warps)
+        ZERO_COUNT=pairs is not None, QB=qblock, num_warps=rt.warps)
     _router_topk_kernel[(triton.cdiv(t, rt.topk_t),)](
         logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, t * e, float(gate_temp), float(route_scale),
-        float(eps), expert_start, local_experts, plist, pcount, SPLIT=rt.split, TOPK=topk,
-        KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1), COMPACT=pairs is not None,
-        NB_E=triton.next_power_of_2(e), BLOCK_T=rt.topk_t, num_warps=rt.topk_warps)
+        float(eps), expert_start, local_experts, plist, pcount, ids if hash_ids is None else hash_ids,
+        SPLIT=rt.split, TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1),
+        COMPACT=pairs is not None, NB_E=triton.next_power_of_2(e), BLOCK_T=rt.topk_t, HASH=hash_ids is not None,
+        num_warps=rt.topk_warps)
     return w, ids, xq
 
 
@@ -874,16 +904,18 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
 
 def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
              inter: int, swiglu_limit: float, cfg: MoeConfig, out: torch.Tensor | None = None,
-             shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0):
+             shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0,
+             qblock: int = QBLOCK):
     """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
     [T·k, I_pad] (pair-permuted ×2^6), or (acc16) f16 codes [T·k, 2, I_pad/8, 4] + block scales [T·k, I_pad/32].
     xp: the activation in `cfg.xq_layout`. With out (fp32 [T, D]) the same launch also sets out to the shared
     expert's output `shared` ([T, D], any float dtype), or to 0 without it. pairs (EP, from `router`): run only the
-    listed pairs, on `slots` rows of programs (each runs every slots-th listed pair)."""
+    listed pairs, on `slots` rows of programs (each runs every slots-th listed pair). qblock: h's quantization
+    block (32; V4: 128, which a tile of bn13 rows must hold whole)."""
     codes, xs = xp if cfg.acc16 else (xp, xp)
     p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2
-    assert cfg.gemv and ipad % 8 == 0 and cfg.bn13 % 32 == 0 and cfg.bk13 % 32 == 0, cfg
+    assert cfg.gemv and ipad % 8 == 0 and cfg.bn13 % qblock == 0 and cfg.bk13 % 32 == 0, (cfg, qblock)
     assert codes.dtype == (torch.float16 if cfg.acc16 else torch.float32) and codes.is_contiguous(), \
         f"activation layout {codes.dtype} does not match the config's {cfg.xq_layout}"
     if cfg.acc16:
@@ -911,7 +943,7 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
         BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, INIT_OUT=init,
-        COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps, launch_pdl=cfg.pdl)
+        COMPACT=pairs is not None, PASSES=passes, QB=qblock, num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
 
 
@@ -950,7 +982,8 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
 def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
                 w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
                 swiglu_limit: float, inter: int | None = None, shared: torch.Tensor | None = None,
-                config: MoeConfig | None = None, ep: int = 1, pairs: LocalPairs | None = None) -> torch.Tensor:
+                config: MoeConfig | None = None, ep: int = 1, pairs: LocalPairs | None = None,
+                qblock: int = QBLOCK) -> torch.Tensor:
     """Routed MXFP4 experts + the shared expert's output -> fp32 [T, D] (before the TP all-reduce).
 
     xq: the fake-quantized activation from `router`, BF16 [T, D] or a decode GEMV's layout (`gemv_act`,
@@ -960,8 +993,9 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     them (the decode GEMVs then launch for about T·k/ep pairs, not T·k); w13_q int8
     [E, 2·I_pad, D/2] (w1 rows, then w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8
     [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain MXFP4: low nibble = even k); inter = the logical intermediate
-    width (<= I_pad: padded columns contribute nothing); shared: [T, D] any float dtype, or None. No host sync; the
-    work buffers are the only allocations."""
+    width (<= I_pad: padded columns contribute nothing); shared: [T, D] any float dtype, or None; qblock: the
+    quantization block of h (32; V4: 128), as the activation's from `router`. No host sync; the work buffers are the
+    only allocations."""
     if isinstance(xq, tuple):
         codes, sc = xq
         t, d = codes.shape[0], codes.shape[2] * 8
@@ -984,7 +1018,8 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     assert ids.shape == weights.shape and ids.shape[0] == t and ids.dtype == torch.int32 and ids.is_contiguous()
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     topk = ids.shape[1]
-    cfg = config or lookup(t, topk, e, ipad, d, ep)
+    cfg = config or lookup(t, topk, e, ipad, d, ep, qblock)
+    assert cfg.bn13 % qblock == 0, f"{cfg.tag()}: a w13 tile of {cfg.bn13} rows does not hold whole {qblock}-blocks of h"
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
     if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
@@ -992,7 +1027,7 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         sh = None if shared is None else (shared if shared.stride(1) == 1 else shared.contiguous())
         slots = local_pair_slots(ids.numel(), ep)
         hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh,
-                      pairs, slots)
+                      pairs, slots, qblock)
         return gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots)
     if shared is not None:
         out = shared.to(torch.float32, copy=True).contiguous()
@@ -1012,7 +1047,7 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         ipad, inter, d, e, p, topk,
         xq.stride(0), 2 * ipad * d // 2, d // 2, 2 * ipad * d // QBLOCK, d // QBLOCK, ipad,
         float(swiglu_limit),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NB_E=nb, NUM_STAGES=cfg.stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NB_E=nb, NUM_STAGES=cfg.stages, QB=qblock,
         num_warps=cfg.warps)
     _moe_w2_kernel[(nblk, triton.cdiv(d, cfg.bn2))](
         h, _u8(w2_q), _u8(w2_s), out, sorted_ids, off,
@@ -1026,15 +1061,16 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
 def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
         w13_q, w13_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
         shared: torch.Tensor | None = None, gate_temp: float = 1.0, config: MoeConfig | None = None,
-        expert_start: int = 0) -> torch.Tensor:
+        expert_start: int = 0, qblock: int = QBLOCK, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked). Under
     expert parallelism gate_w routes over all experts and w13/w2 hold this rank's block of them, expert_start..;
-    the output is this rank's share (the TP all-reduce sums the ranks')."""
+    the output is this rank's share (the TP all-reduce sums the ranks'). V4: qblock 128 (x and h quantized per
+    1×128) and, on its hash-routed layers, hash_ids int32 [T, k] (the picks; the bias is unused)."""
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
     ep = gate_w.shape[0] // e
     assert ep * e == gate_w.shape[0], f"{gate_w.shape[0]} routed experts do not split into EP blocks of {e}"
-    cfg = config or lookup(x.shape[0], topk, e, ipad, x.shape[1], ep)
+    cfg = config or lookup(x.shape[0], topk, e, ipad, x.shape[1], ep, qblock)
     pairs = local_pairs(x.shape[0], topk, x.device) if ep > 1 and cfg.gemv and x.shape[0] > 0 else None
     w, ids, xq = router(x, gate_w, gate_bias, topk, route_scale, gate_temp, xq_layout=cfg.xq_layout,
-                        expert_start=expert_start, local_experts=e, pairs=pairs)
-    return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg, ep, pairs)
+                        expert_start=expert_start, local_experts=e, pairs=pairs, qblock=qblock, hash_ids=hash_ids)
+    return moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared, cfg, ep, pairs, qblock)

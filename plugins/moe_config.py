@@ -116,7 +116,29 @@ def _triton_gemv_default(pairs: int, inter: int, dim: int) -> MoeConfig:
     return _gemv_cfg(32, bk13, 256, 128, 3, 1, pairs, inter, dim, split2=2)
 
 
-def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> MoeConfig:
+def for_qblock(cfg: MoeConfig, qblock: int) -> MoeConfig:
+    """cfg with w13 tiles that hold whole qblock-wide quantization blocks of h (V4: 128), the w13 epilogue's unit: a
+    narrower tile is widened to qblock rows of w1 and of w3 (GEMV warps resized as `gemv_warps` sizes them)."""
+    if cfg.bn13 % qblock == 0:
+        return cfg
+    if cfg.gemv:
+        return dataclasses.replace(cfg, bn13=qblock, warps=gemv_warps(2 * qblock, cfg.bk13))
+    return dataclasses.replace(cfg, bn13=qblock, warps=max(cfg.warps, 8))
+
+
+def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
+                       qblock: int = 32) -> MoeConfig:
+    """`_default_moe_config` with w13 tiles of whole h quantization blocks (`for_qblock`). A decode w13 widened that
+    way has a quarter of the tiles, so it splits K further (up to 16 slices) for the same number of programs."""
+    cfg = for_qblock(_default_moe_config(t, topk, n_experts, inter, dim, ep), qblock)
+    if qblock == 32 or not cfg.gemv:
+        return cfg
+    pairs = -(-t * topk // ep)
+    return dataclasses.replace(cfg, split13=_gemv_split(pairs * -(-inter // cfg.bn13), dim // cfg.bk13,
+                                                        1000 if ep > 1 else 400, 16))
+
+
+def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> MoeConfig:
     """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
     H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
     w2 64 rows × 256 K for a long intermediate (TP1-like); for a short one (one TP8 rank: 320) the row-per-thread-pair
@@ -139,11 +161,25 @@ def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, 
     return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
 
 
-def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
+def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
+                   qblock: int = 32) -> list[MoeConfig]:
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
-    row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default."""
-    first = default_moe_config(t, topk, n_experts, inter, dim, ep)
+    row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. With V4's qblock 128
+    every w13 tile is widened to whole 128-blocks of h (`for_qblock`)."""
+    out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock)]
+    out += [for_qblock(c, qblock) for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
+    if qblock != 32 and out[0].gemv:   # the widened w13 tiles: other K depths and split counts
+        d = out[0]
+        for bk in (128, 256, 512):
+            if dim % bk == 0:
+                c = dataclasses.replace(d, bk13=bk, warps=gemv_warps(2 * d.bn13, bk))
+                out += [dataclasses.replace(c, split13=sp) for sp in (1, 2, 4, 8, 16) if sp <= dim // bk]
+    return list(dict.fromkeys(out))
+
+
+def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
+    first = _default_moe_config(t, topk, n_experts, inter, dim, ep)
     p = -(-t * topk // ep)   # the pairs this rank runs (all of them without EP): the GEMVs' split-K sizes for them
     out = [first]
     d = first
@@ -167,10 +203,11 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
 
 
 # -- the table build writes and serve reads --------------------------------------------------------------------------
-def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int, ep: int = 1) -> str:
-    """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k; over ep EP ranks) at a
-    token bucket."""
-    return f"E{n_experts}xI{inter}xD{dim}k{topk}" + (f"ep{ep}" if ep > 1 else "") + f"@{bucket}"
+def key_str(n_experts: int, inter: int, dim: int, topk: int, bucket: int, ep: int = 1, qblock: int = 32) -> str:
+    """Table key of a local expert shape (E experts, padded intermediate, hidden, top-k; over ep EP ranks; V4's
+    1×128 activation blocks) at a token bucket."""
+    return (f"E{n_experts}xI{inter}xD{dim}k{topk}" + (f"ep{ep}" if ep > 1 else "") + (f"q{qblock}" if qblock != 32
+                                                                                          else "") + f"@{bucket}")
 
 
 _moe_table = ConfigTable("moe", str, log)
@@ -181,7 +218,7 @@ def set_table(entries: dict | None) -> None:
     _moe_table.install(None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()})
 
 
-def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> MoeConfig:
+def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1, qblock: int = 32) -> MoeConfig:
     """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
-    return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t), ep),
-                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep), MoeConfig.tag)
+    return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t), ep, qblock),
+                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep, qblock), MoeConfig.tag)

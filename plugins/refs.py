@@ -263,10 +263,10 @@ def random_mxfp4_experts(e: int, d: int, inter: int, ipad: int, gen: torch.Gener
     return w13_q, w13_s.view(E8M0), w2_q, w2_s.view(E8M0)
 
 
-def fp8_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
+def fp8_fake_quant_ref(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
     """Deploy activation quantization in front of an FP8/FP4-weight linear (`Numerics.act_in`): round to BF16, FP8
-    e4m3 per 1×32 with a pow2 scale, dequantize; returned in BF16 (exact)."""
-    return act_fake_quant_ref(x.to(torch.bfloat16))
+    e4m3 per 1×block (32; V4: 128) with a pow2 scale, dequantize; returned in BF16 (exact)."""
+    return act_fake_quant_ref(x.to(torch.bfloat16), block)
 
 
 def sqrtsoftplus_ref(z: torch.Tensor) -> torch.Tensor:
@@ -274,14 +274,18 @@ def sqrtsoftplus_ref(z: torch.Tensor) -> torch.Tensor:
 
 
 def router_ref(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-               gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4.1 `ffn.gate` in fp32: s = sqrt(softplus(x·Wᵀ / gate_temp)); ids = top-k of s + bias (bias for selection
-    only); weights = s at ids / (Σ + eps) (when norm and topk > 1) × route_scale.
+               gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS,
+               hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1 / V4 `ffn.gate` in fp32: s = sqrt(softplus(x·Wᵀ / gate_temp)); ids = top-k of s + bias (bias for
+    selection only), or hash_ids [T, k] (V4's hash-routed layers: `tid2eid` of the tokens; bias unused);
+    weights = s at ids / (Σ + eps) (when norm and topk > 1) × route_scale.
     x [T, D], gate_w [E, D] (BF16), bias fp32 [E] or [T, E] (a row per token: `bias_vl` for image tokens)
     -> (weights fp32 [T, k], ids int64 [T, k])."""
     scores = sqrtsoftplus_ref((x.float() @ gate_w.float().t()) / gate_temp)
-    idx = (scores + bias.float()).topk(topk, dim=-1).indices
+    if hash_ids is not None:
+        idx = hash_ids.long()
+    else:
+        idx = (scores + bias.float()).topk(topk, dim=-1).indices
     w = scores.gather(1, idx)
     if norm and topk > 1:
         w = w / (w.sum(-1, keepdim=True) + eps)
@@ -298,29 +302,29 @@ def clipped_swiglu_ref(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.
 
 
 def ffn_ref(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
-            route_weight: torch.Tensor | None = None) -> torch.Tensor:
+            route_weight: torch.Tensor | None = None, qblock: int = QBLOCK) -> torch.Tensor:
     """One expert in deploy numerics on the quantized activation xq [R, D] with dequantized fp32 weights w1/w3 [I, D],
-    w2 [D, I]: h = clipped SwiGLU (fp32) × route weight -> BF16 -> FP8 1×32 fake quant -> w2, fp32 out [R, D]."""
+    w2 [D, I]: h = clipped SwiGLU (fp32) × route weight -> BF16 -> FP8 1×qblock fake quant -> w2, fp32 out [R, D]."""
     f = torch.nn.functional
     h = clipped_swiglu_ref(f.linear(xq.float(), w1), f.linear(xq.float(), w3), limit)
     if route_weight is not None:
         h = h * route_weight.float().unsqueeze(-1)
-    return f.linear(fp8_fake_quant_ref(h).float(), w2)
+    return f.linear(fp8_fake_quant_ref(h, qblock).float(), w2)
 
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     w1_q: torch.Tensor, w1_s: torch.Tensor, w3_q: torch.Tensor, w3_s: torch.Tensor,
                     w2_q: torch.Tensor, w2_s: torch.Tensor, swiglu_limit: float, inter: int | None = None,
-                    shared: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed MXFP4 experts + shared-expert add, as `model_def.v41.MoE` computes them in deploy numerics (before the
-    TP all-reduce). x [T, D] (BF16), weights/ids [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
+                    shared: torch.Tensor | None = None, qblock: int = QBLOCK) -> torch.Tensor:
+    """Routed MXFP4 experts + shared-expert add, as `model_def.v41.MoE` (qblock 32) and `v4.MoE` (qblock 128: x and h
+    quantized per 1×128) compute them in deploy numerics (before the TP all-reduce). x [T, D] (BF16), weights/ids [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
     [E, I_pad, D/32], w2_q [E, D, I_pad/2], w2_s [E, D, I_pad/32] (reference MXFP4 layout, stacked over experts);
     `inter` = the logical intermediate width (the columns past it are padding and ignored); shared: the shared
     expert's output [T, D] (any float dtype) or None. Returns fp32 [T, D]: Σ_e (ascending e) y_e + shared.
     Under expert parallelism the weights are this rank's E experts and ids are local (`local_expert_ids`): an id of
     E or more was routed to another rank and contributes nothing here."""
     inter = w1_q.shape[1] if inter is None else inter
-    xq = fp8_fake_quant_ref(x)
+    xq = fp8_fake_quant_ref(x, qblock)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         if e >= w1_q.shape[0]:
@@ -329,7 +333,7 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         w1 = mxfp4_dequant_ref(w1_q[e, :inter], w1_s[e, :inter])
         w3 = mxfp4_dequant_ref(w3_q[e, :inter], w3_s[e, :inter])
         w2 = mxfp4_dequant_ref(w2_q[e], w2_s[e])[:, :inter]
-        y.index_add_(0, rows, ffn_ref(xq[rows], w1, w3, w2, swiglu_limit, weights[rows, slot]))
+        y.index_add_(0, rows, ffn_ref(xq[rows], w1, w3, w2, swiglu_limit, weights[rows, slot], qblock))
     if shared is not None:
         y += shared.float()
     return y
@@ -352,12 +356,14 @@ def local_expert_ids(ids: torch.Tensor, expert_start: int, n_local: int) -> torc
 
 def moe_ref(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
             w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
-            shared: torch.Tensor | None = None, gate_temp: float = 1.0, expert_start: int = 0) -> torch.Tensor:
+            shared: torch.Tensor | None = None, gate_temp: float = 1.0, expert_start: int = 0, qblock: int = QBLOCK,
+            hash_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Router + routed experts + shared-expert add (fp32 [T, D], before the TP all-reduce). gate_w routes over all
-    experts; the weights may be one EP rank's block of them, the experts expert_start.. (`local_expert_ids`)."""
-    w, idx = router_ref(x, gate_w, gate_bias, topk, route_scale, gate_temp)
+    experts; the weights may be one EP rank's block of them, the experts expert_start.. (`local_expert_ids`).
+    V4: qblock 128, and hash_ids [T, k] on its hash-routed layers (`router_ref`)."""
+    w, idx = router_ref(x, gate_w, gate_bias, topk, route_scale, gate_temp, hash_ids=hash_ids)
     idx = local_expert_ids(idx, expert_start, w1_q.shape[0])
-    return moe_experts_ref(x, w, idx, w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit, inter, shared)
+    return moe_experts_ref(x, w, idx, w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit, inter, shared, qblock)
 
 
 # -- WO-A grouped output projection (V4.1 §2.4 step 6 / §2.9) --------------------------------------------------------

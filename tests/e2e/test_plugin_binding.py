@@ -5,6 +5,7 @@ kernel-format tensors taken from the hopper layout (untiled FP8 + e8m0 scales, B
 and stacked MXFP4 experts with padded widths, split mHC weights) — is proven here; the kernels on the H200
 (benchmarks/engine_plugins.py).
 """
+import copy
 import logging
 
 import pytest
@@ -155,11 +156,11 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
 
 
 def test_v4_gpu_engines_select_the_shared_kernels():
-    """V4 shares the FP8 linears (1×128 / 128×128 groups), the norms, the shared expert's SwiGLU, WO-A and the mHC
-    kernels (per-site coefficients: nothing to overlap) with V4.1; its MoE keeps the reference."""
+    """V4 shares the FP8 linears (1×128 / 128×128 groups), the norms, the shared expert's SwiGLU, WO-A, the mHC
+    kernels (per-site coefficients: nothing to overlap) and the MoE kernels (1×128 expert activations) with V4.1."""
     v4 = default_plugins("sm90", family="v4")
     assert {op: impl for op, impl in v4.items() if impl != "reference"} == {
-        "gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused"}
+        "gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused", "moe": "mxfp4"}
     assert default_plugins("sm90", ("mhc",), family="v4")["mhc"] == "reference"
 
 
@@ -168,7 +169,9 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     """A V4 sm90 engine binds every FP8 linear (not WO-A's einsum weight) to the FP8 GEMM with 1×128 activation
     groups and its 128×128 scales expanded to the kernels' 32×32 format; each site matches the V4 reference, whose
     ragged widths (tiny-b: 96-wide inputs) quantize as one short group. A shared expert's w1 and w3 stack into one
-    GEMM when its width is whole 128-row blocks (128), else run apart (96). A wrong 128×128 scale is caught."""
+    GEMM when its width is whole 128-row blocks (128), else run apart (96). Every MoE binds the MoE plugin with 1×128
+    expert activations, the hash-routed layers too (their picks: `tid2eid` of the tokens). A wrong 128×128 scale is
+    caught."""
     import dataclasses
     from dsflash.model_def.layers import Linear
     args = get_preset("v4", preset)
@@ -180,7 +183,9 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90", BuildConfig(),
                        progress=False)
     model, meta = load_engine_model(eng, check_arch=False)
-    assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "reference"
+    assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "mxfp4"
+    assert all(b.ffn.plugin is not None and b.ffn.plugin.qblock == 128 for b in [*model.layers, *model.mtp])
+    assert model.layers[0].ffn.gate.hash and not model.layers[-1].ffn.gate.hash
     assert all(b.attn.fused_wo_a and b.attn.wo_a.weight.dtype == torch.bfloat16 for b in model.layers)
     lins = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.quant == "fp8"}
     for name, lin in lins.items():
@@ -195,15 +200,66 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     assert (w13 is not None and w13.act_block == 128) == stacked
     ids = torch.randint(0, model.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
-    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a"} | ({"gemm_w13"} if stacked else set())
+    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a", "moe_v4"} | ({"gemm_w13"} if stacked else set())
     assert {r["kind"] for r in rows} == kinds
+    assert sum(r["kind"] == "moe_v4" for r in rows) == len(model.layers)
     assert all(b.hc_plugin is not None and not b.hc_plugin.overlap for b in [*model.layers, *model.mtp])
     assert sum(r["kind"] == "mhc_v4" for r in rows) == len(model.layers)
     assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
     wq_b = model.layers[1].attn.wq_b.plugin
     wq_b.w_s.view(torch.uint8)[:4, :4] += 1          # one 128×128 block's scale doubled (its 16 expanded copies)
+    hash_ffn = model.layers[0].ffn
+    hash_ffn.plugin.forward = _with_rolled_hash_ids(hash_ffn.plugin.forward)
     bad = {r["site"] for r in site_parity(model, ids) if r["rel"] > 0.05}
-    assert "layers.1.attn.wq_b" in bad
+    assert {"layers.1.attn.wq_b", "layers.0.ffn"} <= bad and "layers.1.ffn" not in bad
+
+
+def _with_rolled_hash_ids(forward):
+    """A MoE plugin's forward that gives each token of a hash layer the picks of the token before (a wrong binding)."""
+    def wrong(flat, gate_w, gate_bias, shared, hash_ids=None):
+        return forward(flat, gate_w, gate_bias, shared, None if hash_ids is None else hash_ids.roll(1, 0))
+    return wrong
+
+
+class _TwoEqualRanks:
+    """The comm of a TP2 rank whose peer holds the same partial sums: an all-reduce doubles. (With reductions left
+    out, a shared expert added before the all-reduce or after it would give the same numbers.)"""
+
+    def __init__(self, rank: int):
+        self.tp_size, self.tp_rank = 2, rank
+
+    def all_reduce(self, x):
+        return 2 * x
+
+
+def test_v4_moe_plugin_under_tp2_and_ep2(tmp_path):
+    """A V4 MoE under TP2 (MoE-TP2, then EP2): each rank's plugin output is its partial sum, and the replicated
+    shared expert joins after the all-reduce, as in the V4 reference; every MoE site matches its reference, hash-routed
+    layers included."""
+    import dataclasses
+    args = dataclasses.replace(get_preset("v4", "tiny-b"), moe_intermediate_size=128)   # MoE-TP2: 64 per rank
+    hf = synthesize(args, tmp_path / "hf", seed=9)
+    convert(hf, tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
+    for tag, mapping in (("tp2", Mapping(world_size=2, tp_size=2)),
+                         ("ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2))):
+        eng = write_engine(tmp_path / "hop", tmp_path / tag, mapping, "sm90", BuildConfig(), progress=False)
+        for rank in (0, 1):
+            model, _ = load_engine_model(eng, rank, comm=_TwoEqualRanks(rank), check_arch=False)
+            plugin = model.layers[0].ffn.plugin
+            n = model.args.n_routed_experts // mapping.moe_ep_size
+            assert plugin is not None and plugin.w13_q.shape[0] == n and plugin.expert_start == rank * n * (tag == "ep2")
+            ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
+            rows = [r for r in site_parity(model, ids) if r["kind"] == "moe_v4"]
+            assert len(rows) == len(model.layers), (tag, rank)
+            assert all(r["rel"] <= 1e-2 for r in rows), (tag, rank, max(rows, key=lambda r: r["rel"]))
+            # the whole MoE, shared expert included (the site replay passes it through as 0), against the fp32 reference
+            x = torch.randn(1, 12, model.args.hidden_size, generator=torch.Generator().manual_seed(rank))
+            for ffn in (model.layers[0].ffn, model.layers[-1].ffn):   # a hash-routed layer, a scored one
+                ref = copy.deepcopy(ffn).float()
+                ref.plugin = None
+                with torch.no_grad():
+                    got, want = ffn(x.to(torch.bfloat16), ids).double(), ref(x, ids).double()
+                assert float((got - want).norm() / want.norm()) <= 1e-2, (tag, rank)
 
 
 def test_moe_plugin_routes_image_tokens_with_bias_vl(sm90_engine):

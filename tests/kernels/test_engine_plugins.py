@@ -83,8 +83,8 @@ def test_ep2_ranks_match_their_references(hopper_ckpt, partial_sums):
 
 def test_v4_engine_sites_match_their_references(tmp_path):
     """A tiny V4 engine (1×128 / 128×128 groups; shared expert 128 wide, so w1|w3 stack) on the GPU: every FP8
-    linear, norm, SwiGLU, WO-A and mHC block site matches the V4 reference, tuned (decode and prefill buckets) and
-    untuned."""
+    linear, norm, SwiGLU, WO-A, mHC block and MoE site (hash-routed layers too) matches the V4 reference, tuned
+    (decode and prefill buckets) and untuned, at one token (the decode GEMVs) and at 40 (the sorted MMA path)."""
     import dataclasses
     args = dataclasses.replace(get_preset("v4", "tiny"), moe_intermediate_size=128)
     synthesize(args, tmp_path / "hf", seed=7)
@@ -98,7 +98,7 @@ def test_v4_engine_sites_match_their_references(tmp_path):
         for t in (1, 40):
             ids = torch.randint(0, model.args.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).cuda()
             rows = site_parity(model, ids)
-            assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "norm", "swiglu", "mhc_v4", "wo_a"}
+            assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "norm", "swiglu", "mhc_v4", "wo_a", "moe_v4"}
             worst = max(rows, key=lambda r: r["rel"])
             print(f"V4 sites (tuned={tuned}, T={t}):",
                   {k: f"{max(r['rel'] for r in rows if r['kind'] == k):.1e}" for k in sorted({r['kind'] for r in rows})})

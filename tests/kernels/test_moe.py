@@ -117,7 +117,7 @@ def test_router_launch_shapes_agree(m, gate, monkeypatch):
     want = None
     for tt, tw in ((1, 4), (2, 2), (4, 4)):
         rt = dataclasses.replace(base, topk_t=tt, topk_warps=tw)
-        monkeypatch.setattr(moe, "router_tiles", lambda t, e, d, rt=rt: rt)
+        monkeypatch.setattr(moe, "router_tiles", lambda t, e, d, qblock=32, rt=rt: rt)
         w, ids, _ = moe.router(x, gw, bias, TOPK, SCALE)
         if want is None:
             want = (w, ids)
@@ -367,3 +367,132 @@ def test_moe_ep_rank_with_more_pairs_than_slots(m, experts, gate):
     torch.cuda.synchronize()
     want = moe(static_x, gw, hot, TOPK, SCALE, *mine, LIMIT, inter, shared, expert_start=2 * LOCAL)
     assert refs.rel_err(got, want) < 1e-6
+
+
+# -- V4-Flash: hidden 4096, 256 experts of 2048 (one TP8 rank: 256), top-6; activations quantized per 1×128 ----------
+V4_D, V4_E, V4_QB = 4096, 256, 128
+
+
+def _x_wide(m: int, d: int, seed: int) -> torch.Tensor:
+    """Activations whose 32-blocks differ by up to 2^14 in scale, so a 1×128 block's small members fall into e4m3's
+    subnormal range or to 0: 1×32 and 1×128 quantization then differ (they agree almost everywhere on plain randn,
+    pow2 scales only moving e4m3's fixed 3-bit mantissa)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, d, device=DEV, generator=g)
+    blocks = torch.randint(-14, 3, (m, d // 32, 1), device=DEV, generator=g).float()
+    return (x.view(m, d // 32, 32) * torch.exp2(blocks)).view(m, d).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def v4_gate():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    gw = (torch.randn(V4_E, V4_D, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
+    return gw, torch.randn(V4_E, device=DEV, generator=gen) * 0.05
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
+def test_v4_router_quantizes_per_128(m, v4_gate):
+    """V4's router writes the experts' activation quantized per 1×128 in every layout (bit for bit, on inputs where
+    1×32 would differ), and selects as router_ref."""
+    from dsflash.plugins.moe import gemv_act, natural_act, router
+    gw, bias = v4_gate
+    x = _x_wide(m, V4_D, 300 + m)
+    w, ids, xq = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB)
+    _, _, xp = router(x, gw, bias, TOPK, SCALE, xq_layout="gemv", qblock=V4_QB)
+    _, _, xp16 = router(x, gw, bias, TOPK, SCALE, xq_layout="gemv16", qblock=V4_QB)
+    want = refs.fp8_fake_quant_ref(x, V4_QB)
+    assert not torch.equal(want, refs.fp8_fake_quant_ref(x))      # the inputs tell the two blockings apart
+    assert torch.equal(xq, want) and torch.equal(xp, gemv_act(want)) and torch.equal(natural_act(xp16), want)
+    w_ref, ids_ref = refs.router_ref(x, gw, bias, TOPK, SCALE)
+    same = (ids.long().sort(1).values == ids_ref.sort(1).values).all(1)
+    assert float(same.float().mean()) >= 0.9
+    assert refs.rel_err(w.gather(1, ids.long().argsort(1))[same], w_ref.gather(1, ids_ref.argsort(1))[same]) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_v4_router_takes_hash_picks(m, v4_gate):
+    """V4's hash-routed layers: the router keeps the given picks (`tid2eid` of the tokens), weights = the scores at
+    them, normalised and scaled (router_ref with hash_ids), also local to an EP rank's block."""
+    from dsflash.plugins.moe import router
+    gw, bias = v4_gate
+    x = _x_wide(m, V4_D, 400 + m)
+    picks = torch.stack([torch.randperm(V4_E, device=DEV)[:TOPK] for _ in range(m)]).to(torch.int32)
+    w, ids, _ = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB, hash_ids=picks)
+    w_ref, _ = refs.router_ref(x, gw, bias, TOPK, SCALE, hash_ids=picks)
+    assert torch.equal(ids, picks) and refs.rel_err(w, w_ref) < 1e-5
+    n = V4_E // 8   # EP8 rank 2: picks outside [2n, 3n) become n
+    _, ids_ep, _ = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB, hash_ids=picks, expert_start=2 * n, local_experts=n)
+    assert torch.equal(ids_ep.long(), refs.local_expert_ids(picks.long(), 2 * n, n))
+
+
+def _v4_experts(e: int, d: int, inter: int, gen: torch.Generator, wide: bool):
+    """Stacked MXFP4 experts; wide: every other 32-row block of w1 and w3 scaled by 2^-8 (so h there is ~2^-16 of
+    its 1×128 block: e4m3 subnormals or 0 under a 1×128 quantization, full precision under 1×32) and w2's matching
+    K blocks by 2^+16, so those blocks still weigh in the output."""
+    w13_q, w13_s = _mx(e, 2 * inter, d, gen)
+    w2_q, w2_s = _mx(e, d, inter, gen)
+    if wide:
+        small = (torch.arange(inter, device=DEV) // 32) % 2 == 1
+        w13_s[:, torch.cat([small, small])] -= 8
+        w2_s[:, :, small.view(-1, 32)[:, 0]] += 16
+    return w13_q, w13_s.view(refs.E8M0), w2_q, w2_s.view(refs.E8M0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
+@pytest.mark.parametrize("inter", [2048, 256])
+def test_v4_moe_experts(m, inter):
+    """V4 experts (TP1 2048, one TP8 rank 256) against moe_experts_ref with 1×128 x and h. The fp32-accumulating
+    paths (decode GEMV, split-K or not; the sorted MMA path) on wide-range inputs, where 1×32 quantization misses by
+    far more; the f16 in-block GEMVs (default, split-K) on plain ones (their ~1e-3 rounding of g and u would move
+    the subnormal codes of the wide inputs)."""
+    from dsflash.plugins.moe import MoeConfig, moe_candidates, moe_experts
+    from dsflash.plugins.moe_config import for_qblock
+    e = 32   # (the experts the routing below reaches; the shapes are V4's)
+    picks = torch.stack([torch.randperm(e, device=DEV)[:TOPK] for _ in range(m)])
+    w = torch.rand(m, TOPK, device=DEV) + 0.1
+    shared = torch.randn(m, V4_D, device=DEV)
+    first = moe_candidates(m, TOPK, e, inter, V4_D, qblock=V4_QB)[0]
+    gemv = dataclasses.replace(first if first.gemv else MoeConfig(True, 32, 128, 128, 64, 2, 4, 16, 2), rows2=False,
+                               pdl=False)
+    fp32 = [dataclasses.replace(gemv, acc16=False), dataclasses.replace(gemv, acc16=False, split13=3, split2=2),
+            MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)]
+    f16 = [first, dataclasses.replace(gemv, acc16=True, split13=3, split2=2)]
+    for wide, cfgs in ((True, fp32), (False, f16)):
+        gen = torch.Generator(device=DEV).manual_seed(5)
+        w13_q, w13_s, w2_q, w2_s = _v4_experts(e, V4_D, inter, gen, wide)
+        x = _x_wide(m, V4_D, 500 + m) if wide else _x(m, 500 + m)[:, :V4_D].contiguous()
+        halves = (*_split(w13_q, w13_s, inter), w2_q, w2_s)
+        ref = refs.moe_experts_ref(x, w, picks, *halves, LIMIT, inter, shared, V4_QB)
+        if wide:
+            assert refs.rel_err(refs.moe_experts_ref(x, w, picks, *halves, LIMIT, inter, shared), ref) > 5e-2
+        xq = refs.fp8_fake_quant_ref(x, V4_QB)
+        for cfg in map(lambda c: for_qblock(c, V4_QB), cfgs):
+            assert cfg.bn13 % V4_QB == 0, cfg.tag()
+            out = moe_experts(xq, w, picks.to(torch.int32), w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg,
+                              qblock=V4_QB)
+            err = refs.rel_err(out, ref)
+            assert err < 1e-2, (inter, m, wide, cfg.tag(), err)
+
+
+@pytest.mark.parametrize("m", [1, 8, 257])
+def test_v4_moe_pipeline(m, v4_gate):
+    """router (scored and hash-routed) -> experts with 1×128 activations, against the reference experts on the
+    kernel's own routing; and the registry op on the same inputs."""
+    from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash.moe)
+    from dsflash.plugins.moe import moe, router
+    gw, bias = v4_gate
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    w13_q, w13_s, w2_q, w2_s = _v4_experts(V4_E, V4_D, 256, gen, wide=False)
+    x = _x_wide(m, V4_D, 600 + m)
+    shared = torch.randn(m, V4_D, device=DEV).to(torch.bfloat16)
+    picks = torch.stack([torch.randperm(V4_E, device=DEV)[:TOPK] for _ in range(m)]).to(torch.int32)
+    for hash_ids in (None, picks):
+        out = moe(x, gw, bias, TOPK, SCALE, w13_q, w13_s, w2_q, w2_s, LIMIT, 256, shared, qblock=V4_QB,
+                  hash_ids=hash_ids)
+        w, ids, _ = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB, hash_ids=hash_ids)
+        ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, 256), w2_q, w2_s, LIMIT, 256, shared,
+                                   V4_QB)
+        assert refs.rel_err(out, ref) < 1e-2, (m, hash_ids is not None)
+        op = torch.ops.dsflash.moe(x, gw, bias, TOPK, SCALE, w13_q, w13_s, w2_q, w2_s, LIMIT, 256, shared, 1.0, 0,
+                                   V4_QB, hash_ids)
+        assert refs.rel_err(op, ref) < 1e-2
