@@ -16,7 +16,7 @@ from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_blo
 from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
-from dsflash.plugins.refs import QBLOCK, expand_weight_scales
+from dsflash.plugins.refs import expand_weight_scales
 
 log = logging.getLogger("dsflash.bind")
 ATTENTIONS = (Attention, v4.Attention)   # V4.1's and V4's: the same `_output` (sink attention, inverse RoPE, WO-A)
@@ -151,13 +151,12 @@ def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
 
 def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
     """Bind every V4.1 or V4 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
-    addresses from its first global id. V4's experts read 1×128 activations (`gemm_block`), its gate is stored as
-    the BF16 the router kernel reads (its checkpoint values: the same numbers)."""
+    addresses from its first global id. The experts' activations are quantized per 1×`args.act_block` (V4: 128);
+    V4's gate is stored as the BF16 the router kernel reads (its checkpoint values: the same numbers)."""
     from dsflash.model_def.v41 import MoE
     if not args.norm_topk_prob:
         dispatch.warn_once("moe-norm", "moe plugin: norm_topk_prob=false runs the reference MoE")
         return 0
-    qblock = gemm_block(args) or QBLOCK
     n = 0
     for name, moe in model.named_modules():
         if isinstance(moe, v4.MoE):
@@ -180,7 +179,7 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
         w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
         w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
         moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local, topk, scale,
-                                       temp, args.swiglu_limit, ids[0], qblock)
+                                       temp, args.swiglu_limit, ids[0], args.act_block)
         n += 1
     return n
 

@@ -220,8 +220,8 @@ def _moe_buckets(engine: dict) -> list[dict]:
              "swiglu_limit": args.swiglu_limit}
     if ep > 1:   # (buckets of engines without EP keep their keys)
         shape["ep"] = ep
-    if args.family == "v4":   # 1×128 expert activations (V4.1's buckets keep their keys)
-        shape["qblock"] = 128
+    if args.act_block != 32:   # V4's 1×128 expert activations (V4.1's buckets keep their keys)
+        shape["qblock"] = args.act_block
     return [{**shape, "m": m} for m in _m_buckets_for(engine)]
 
 

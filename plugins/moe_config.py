@@ -179,6 +179,7 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
 
 
 def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
+    """The candidates of 1×32 activations (`moe_candidates`), `_default_moe_config` first."""
     first = _default_moe_config(t, topk, n_experts, inter, dim, ep)
     p = -(-t * topk // ep)   # the pairs this rank runs (all of them without EP): the GEMVs' split-K sizes for them
     out = [first]
