@@ -11,11 +11,12 @@ or buckets where every candidate failed; serve then uses the defaults and logs e
 
 Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the FP8 GEMM per
 local dense linear shape, bucket {"n", "k", "m", "bf16_cache"; "group": 128 for V4's 1×128 / 128×128 scale groups},
-config {"path": "fp8", "config": GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where the engine holds `.weight_bf16`).
+config {"path": "fp8", "config": GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where
+the engine holds `.weight_bf16`).
 `gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input. And for sm90 engines that bind the
 MoE plugin, "moe": the MXFP4 expert kernels' tiles per local expert shape, bucket {"e", "inter" (padded), "inter_valid",
-"d", "topk", "swiglu_limit", "m"; "ep" under expert parallelism}, config a `plugins.moe_config.MoeConfig` dict
-(`moe_table(tuned)` -> `moe_config.set_table`).
+"d", "topk", "swiglu_limit", "m"; "ep" under expert parallelism; "qblock": 128 for V4's 1×128 activations}, config
+a `plugins.moe_config.MoeConfig` dict (`moe_table(tuned)` -> `moe_config.set_table`).
 """
 from __future__ import annotations
 

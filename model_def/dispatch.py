@@ -108,10 +108,10 @@ class MXFP4MoE(nn.Module):
         self.inter, self.topk, self.route_scale = inter, topk, route_scale
         self.gate_temp, self.swiglu_limit = gate_temp, swiglu_limit
 
-    def forward(self, flat: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor,
+    def forward(self, flat: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor | None,
                 shared: torch.Tensor | None, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
         """flat [T, D], shared [T, D] (the shared expert's output, or None) -> fp32 [T, D] before the TP all-reduce;
-        hash_ids int32 [T, k]: the picks of a V4 hash-routed layer."""
+        hash_ids int32 [T, k]: the picks of a V4 hash-routed layer (which has no gate bias: None)."""
         return ops().moe(_flat(flat), gate_w, gate_bias, self.topk, self.route_scale, self.w13_q, self.w13_s,
                          self.w2_q, self.w2_s, self.swiglu_limit, self.inter, shared, self.gate_temp,
                          self.expert_start, self.qblock, hash_ids)

@@ -415,11 +415,7 @@ class MoE(nn.Module):
         """The MoE plugin (fp32 out): hash-routed layers pass their picks (`tid2eid` of the tokens). The replicated
         shared expert joins the routed sum inside the op without TP, after the all-reduce with it."""
         g = self.gate
-        if g.hash:
-            hash_ids, bias = g.tid2eid[ids].to(torch.int32).contiguous(), g.weight.new_zeros(g.weight.shape[0],
-                                                                                             dtype=torch.float32)
-        else:
-            hash_ids, bias = None, g.bias
+        hash_ids, bias = (g.tid2eid[ids].to(torch.int32), None) if g.hash else (None, g.bias)
         shared = self.shared_experts(x)
         y = self.plugin(x, g.weight, bias, shared if self.tp == 1 else None, hash_ids)
         if self.tp > 1:

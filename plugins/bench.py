@@ -478,7 +478,8 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
                     rows.append(_row(pre + "moe_w13_gemv", shape, m, us13, None, n_act * b13 + m * d * 4 + p * ipad * 4,
                                      2 * p * d * 2 * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b13 / 1e6))
-                    rows.append(_row(pre + "moe_w2_gemv", shape, m, us2, None, n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
+                    rows.append(_row(pre + "moe_w2_gemv", shape, m, us2, None,
+                                     n_act * b2 + p * ipad * 4 + 2 * m * d * 4,
                                      2 * p * d * inter, ceil, None, timing=how, config=best_cfg.tag(),
                                      weight_MB=n_act * b2 / 1e6))
                 # router + experts (the EP rank: the op as `moe.moe` runs it, with its pair list)

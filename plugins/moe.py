@@ -808,7 +808,7 @@ def router_tiles(t: int, e: int, d: int, qblock: int = QBLOCK) -> RouterTiles:
     return RouterTiles(bt, 64, bk, split, 8, 1, 4)
 
 
-def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float,
            gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS, xq_layout: str | None = "bf16",
            expert_start: int = 0, local_experts: int | None = None, pairs: LocalPairs | None = None,
            qblock: int = QBLOCK, hash_ids: torch.Tensor | None = None
@@ -821,14 +821,17 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
     expert_start + L) of this rank, and a pick of another rank's expert is L (`refs.local_expert_ids`); the weights
     stay normalised over all k picks. pairs (`local_pairs`): also list the pairs t·k + j picked on this rank there,
     for the decode GEMVs to run only those. qblock: the activation's quantization block (32; V4: 128, D % 128 == 0).
-    hash_ids (V4's hash-routed layers): the picks, int32 [T, k] (`tid2eid` of the tokens); bias is then unused."""
+    hash_ids (V4's hash-routed layers): the picks, int32 [T, k] (`tid2eid` of the tokens); bias is then unused (may
+    be None)."""
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, (tuple(x.shape), x.dtype)
     assert gate_w.dtype == torch.bfloat16 and gate_w.is_contiguous() and gate_w.shape[1] == x.shape[1]
     assert xq_layout in (None, "bf16", "gemv", "gemv16"), xq_layout
     t, d = x.shape
     e = gate_w.shape[0]
-    assert bias.shape in ((e,), (t, e)) and bias.dtype == torch.float32 and bias.is_contiguous(), \
-        f"router bias must be fp32 [{e}] or [{t}, {e}], contiguous, got {bias.dtype} {tuple(bias.shape)}"
+    assert (bias is None and hash_ids is not None) or (
+        bias is not None and bias.shape in ((e,), (t, e)) and bias.dtype == torch.float32 and bias.is_contiguous()), \
+        f"router bias must be fp32 [{e}] or [{t}, {e}], contiguous (None only with hash_ids), got " \
+        f"{None if bias is None else (bias.dtype, tuple(bias.shape))}"
     assert d % QBLOCK == 0 and 1 <= topk <= e
     assert qblock in (32, 128) and d % qblock == 0, f"router: D={d} is not whole {qblock}-wide quantization blocks"
     if hash_ids is not None:
@@ -863,7 +866,8 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
         BLOCK_K=rt.block_k, NUM_STAGES=3, WRITE_XQ=xq is not None, XQ_MODE={"gemv": 1, "gemv16": 2}.get(xq_layout, 0),
         ZERO_COUNT=pairs is not None, QB=qblock, num_warps=rt.warps)
     _router_topk_kernel[(triton.cdiv(t, rt.topk_t),)](
-        logits, bias, ids, w, t, e, e, e if bias.dim() == 2 else 0, t * e, float(gate_temp), float(route_scale),
+        logits, w if bias is None else bias, ids, w, t, e, e, 0 if bias is None or bias.dim() == 1 else e, t * e,
+        float(gate_temp), float(route_scale),
         float(eps), expert_start, local_experts, plist, pcount, ids if hash_ids is None else hash_ids,
         SPLIT=rt.split, TOPK=topk, KP=triton.next_power_of_2(topk), NORM=bool(norm and topk > 1),
         COMPACT=pairs is not None, NB_E=triton.next_power_of_2(e), BLOCK_T=rt.topk_t, HASH=hash_ids is not None,
@@ -1019,7 +1023,8 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     topk = ids.shape[1]
     cfg = config or lookup(t, topk, e, ipad, d, ep, qblock)
-    assert cfg.bn13 % qblock == 0, f"{cfg.tag()}: a w13 tile of {cfg.bn13} rows does not hold whole {qblock}-blocks of h"
+    assert cfg.bn13 % qblock == 0, \
+        f"{cfg.tag()}: a w13 tile of {cfg.bn13} rows does not hold whole {qblock}-blocks of h"
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
     if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
@@ -1058,14 +1063,14 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     return out
 
 
-def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
+def moe(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor | None, topk: int, route_scale: float,
         w13_q, w13_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
         shared: torch.Tensor | None = None, gate_temp: float = 1.0, config: MoeConfig | None = None,
         expert_start: int = 0, qblock: int = QBLOCK, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Router + routed experts + shared-expert add: x [T, D] BF16 -> fp32 [T, D] (`moe_ref` with w13 stacked). Under
     expert parallelism gate_w routes over all experts and w13/w2 hold this rank's block of them, expert_start..;
     the output is this rank's share (the TP all-reduce sums the ranks'). V4: qblock 128 (x and h quantized per
-    1×128) and, on its hash-routed layers, hash_ids int32 [T, k] (the picks; the bias is unused)."""
+    1×128) and, on its hash-routed layers, hash_ids int32 [T, k] (the picks; gate_bias unused, may be None)."""
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
     ep = gate_w.shape[0] // e
     assert ep * e == gate_w.shape[0], f"{gate_w.shape[0]} routed experts do not split into EP blocks of {e}"

@@ -273,11 +273,11 @@ def sqrtsoftplus_ref(z: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(torch.nn.functional.softplus(z.float()))
 
 
-def router_ref(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+def router_ref(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float,
                gate_temp: float = 1.0, norm: bool = True, eps: float = ROUTER_NORM_EPS,
                hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """V4.1 / V4 `ffn.gate` in fp32: s = sqrt(softplus(x·Wᵀ / gate_temp)); ids = top-k of s + bias (bias for
-    selection only), or hash_ids [T, k] (V4's hash-routed layers: `tid2eid` of the tokens; bias unused);
+    selection only), or hash_ids [T, k] (V4's hash-routed layers: `tid2eid` of the tokens; bias unused, may be None);
     weights = s at ids / (Σ + eps) (when norm and topk > 1) × route_scale.
     x [T, D], gate_w [E, D] (BF16), bias fp32 [E] or [T, E] (a row per token: `bias_vl` for image tokens)
     -> (weights fp32 [T, k], ids int64 [T, k])."""
@@ -317,7 +317,8 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     w2_q: torch.Tensor, w2_s: torch.Tensor, swiglu_limit: float, inter: int | None = None,
                     shared: torch.Tensor | None = None, qblock: int = QBLOCK) -> torch.Tensor:
     """Routed MXFP4 experts + shared-expert add, as `model_def.v41.MoE` (qblock 32) and `v4.MoE` (qblock 128: x and h
-    quantized per 1×128) compute them in deploy numerics (before the TP all-reduce). x [T, D] (BF16), weights/ids [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
+    quantized per 1×128) compute them in deploy numerics (before the TP all-reduce). x [T, D] (BF16), weights/ids
+    [T, k] from the router; w1_q/w3_q [E, I_pad, D/2], w1_s/w3_s
     [E, I_pad, D/32], w2_q [E, D, I_pad/2], w2_s [E, D, I_pad/32] (reference MXFP4 layout, stacked over experts);
     `inter` = the logical intermediate width (the columns past it are padding and ignored); shared: the shared
     expert's output [T, D] (any float dtype) or None. Returns fp32 [T, D]: Σ_e (ascending e) y_e + shared.
@@ -354,7 +355,7 @@ def local_expert_ids(ids: torch.Tensor, expert_start: int, n_local: int) -> torc
     return torch.where((local >= 0) & (local < n_local), local, torch.full_like(local, n_local))
 
 
-def moe_ref(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, topk: int, route_scale: float,
+def moe_ref(x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor | None, topk: int, route_scale: float,
             w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, swiglu_limit: float, inter: int | None = None,
             shared: torch.Tensor | None = None, gate_temp: float = 1.0, expert_start: int = 0, qblock: int = QBLOCK,
             hash_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -293,15 +293,15 @@ def _(x, gate_w, bias, topk, route_scale, gate_temp=1.0):
 
 
 @torch.library.custom_op("dsflash::moe", mutates_args=())
-def moe(x: Tensor, gate_w: Tensor, gate_bias: Tensor, topk: int, route_scale: float, w13_q: Tensor, w13_s: Tensor,
-        w2_q: Tensor, w2_s: Tensor, swiglu_limit: float, inter: int, shared: Optional[Tensor] = None,
+def moe(x: Tensor, gate_w: Tensor, gate_bias: Optional[Tensor], topk: int, route_scale: float, w13_q: Tensor,
+        w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, swiglu_limit: float, inter: int, shared: Optional[Tensor] = None,
         gate_temp: float = 1.0, expert_start: int = 0, qblock: int = 32, hash_ids: Optional[Tensor] = None) -> Tensor:
     """Router + routed MXFP4 experts (w13 stacked [E, 2·I_pad, D/2], w2 [E, D, I_pad/2], e8m0 1×32 scales) + the shared
     expert's output -> fp32 [T, D] before the TP all-reduce; `inter` = the logical intermediate width; gate_bias
     fp32 [E], or [T, E] when tokens select with different biases (V4.1's `bias_vl` on image tokens). Expert
     parallelism: gate_w routes over all experts, w13/w2 hold this rank's block of them from expert_start, and the
     output is this rank's share. V4: qblock 128 (the experts' activations quantized per 1×128) and, on hash-routed
-    layers, hash_ids int32 [T, k] (the picks, `tid2eid` of the tokens)."""
+    layers, hash_ids int32 [T, k] (the picks, `tid2eid` of the tokens; gate_bias is then unused and may be None)."""
     if x.is_cuda:
         from dsflash.plugins.moe import moe as k
         return k(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared,

@@ -412,7 +412,8 @@ def test_v4_router_quantizes_per_128(m, v4_gate):
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_v4_router_takes_hash_picks(m, v4_gate):
     """V4's hash-routed layers: the router keeps the given picks (`tid2eid` of the tokens), weights = the scores at
-    them, normalised and scaled (router_ref with hash_ids), also local to an EP rank's block."""
+    them, normalised and scaled (router_ref with hash_ids), with or without a bias (unread), also local to an EP
+    rank's block."""
     from dsflash.plugins.moe import router
     gw, bias = v4_gate
     x = _x_wide(m, V4_D, 400 + m)
@@ -420,6 +421,8 @@ def test_v4_router_takes_hash_picks(m, v4_gate):
     w, ids, _ = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB, hash_ids=picks)
     w_ref, _ = refs.router_ref(x, gw, bias, TOPK, SCALE, hash_ids=picks)
     assert torch.equal(ids, picks) and refs.rel_err(w, w_ref) < 1e-5
+    w_nb, ids_nb, _ = router(x, gw, None, TOPK, SCALE, qblock=V4_QB, hash_ids=picks)   # (a hash layer has no bias)
+    assert torch.equal(ids_nb, picks) and torch.equal(w_nb, w)
     n = V4_E // 8   # EP8 rank 2: picks outside [2n, 3n) become n
     _, ids_ep, _ = router(x, gw, bias, TOPK, SCALE, qblock=V4_QB, hash_ids=picks, expert_start=2 * n, local_experts=n)
     assert torch.equal(ids_ep.long(), refs.local_expert_ids(picks.long(), 2 * n, n))
