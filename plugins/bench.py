@@ -3,6 +3,7 @@
     python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4]
                                     [--ms 1,3,8,64,257,4096]
                                     [--merge]   (replace only the rows of the sections and M run, keep the file's others)
+                                    [--gemm-shapes 'wq_b[tp1],...'] [--moe-shapes tp1,tp8,ep8]
 
 One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
 GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
@@ -64,6 +65,18 @@ GEMM_V4_SHAPES = [
 SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act"),
                "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",),
                "gemm_v4": ("v4_fp8_gemm", "v4_bf16_cache_gemm", "v4_scaled_mm"), "moe_v4": ("v4_moe",)}
+
+
+def replaced_by_run(row: dict, sections: list[str], ms: list[int], moe_only: set[str] | None = None) -> bool:
+    """Whether a row of an earlier results file is one a `--merge` run of these sections, token counts and (MoE)
+    shapes replaces: its op belongs to a section run, its M was run, and, with `--moe-shapes`, an MoE row's shape
+    ("tp1 ...", "ep8 ...") was among them (the router's row, timed with TP1, counts as TP1)."""
+    if row.get("M") not in ms or not any(row["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec]):
+        return False
+    if moe_only and row["op"].removeprefix("v4_").startswith("moe"):
+        name = str(row.get("shape", "")).split(" ")[0]
+        return (name if name in ("tp1", "tp8", "ep8") else "tp1") in moe_only
+    return True
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -377,19 +390,23 @@ def _eager_time_us(calls: list, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V41) -> list[dict]:
+def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V41,
+              only: set[str] | None = None) -> list[dict]:
     """Router, the decode GEMV GEMMs (w13 + SwiGLU epilogue, w2 + weighted reduction) and the whole routed-expert
     pass at V4.1-Flash shapes (384 experts, top-6, hidden 5120; TP1, one TP8 rank, one EP8 rank: its 48 experts,
     routed over all 384), or V4-Flash's (`MOE_V4`: 256 experts of 2048, hidden 4096, 1×128 activations; rows
     prefixed "v4_"). Bytes = the distinct routed experts' MXFP4 weights + e8m0 scales on this rank (what the op must
-    read) + activations in/out."""
+    read) + activations in/out. only: these shapes ("tp1", "tp8", "ep8"; default all)."""
     from dsflash.plugins import moe as M
     rows = []
     d, e, k, qb, pre = fam.hidden, fam.experts, fam.topk, fam.qblock, fam.prefix
     gen = torch.Generator(device=DEV).manual_seed(3)
     gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV, generator=gen) * 0.05
-    for tp, inter, ipad, ep in fam.shapes:
+    for i_shape, (tp, inter, ipad, ep) in enumerate(fam.shapes):
+        if only and tp not in only:
+            continue
+        gen.manual_seed(4 + i_shape)   # each shape's experts and routing draws do not depend on which shapes ran
         el = e // ep   # this rank's experts: the first block (expert_start 0)
         w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(el, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
@@ -604,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
                          "run now")
     ap.add_argument("--ms", default="1,3,8,64,257,4096", help="token counts M")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting GEMM shapes after this many seconds")
+    ap.add_argument("--moe-shapes", default="",
+                    help="only these shapes of the moe / moe_v4 sections: tp1, tp8, ep8 (default: all); with --merge the "
+                         "other shapes' rows are kept")
     ap.add_argument("--gemm-shapes", default="",
                     help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]' (default: all of GEMM_SHAPES)")
     args = ap.parse_args(argv)
@@ -622,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": [], "tuned": {}}
 
     sections = args.sections.split(",")
+    moe_only = {v for v in args.moe_shapes.split(",") if v} or None
     previous = None
     if args.merge and args.out and os.path.exists(args.out):
         with open(args.out) as f:
@@ -633,10 +654,9 @@ def main(argv: list[str] | None = None) -> int:
             return
         doc = result
         if previous is not None:   # keep the earlier run's rows of the sections not run now (and its ceilings)
-            def ran(r):   # a row this run replaces: its section and token count were run now
-                return r.get("M") in ms and any(r["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec])
             doc = dict(previous)
-            doc["rows"] = [r for r in previous["rows"] if not ran(r)] + result["rows"]
+            doc["rows"] = [r for r in previous["rows"] if not replaced_by_run(r, sections, ms, moe_only)] \
+                + result["rows"]
             doc["targets"] = targets(doc["rows"])
             doc["merged_runs"] = previous.get("merged_runs", []) + [
                 {k: result[k] for k in ("machine", "command", "ceilings") if k in result} | {"sections": sections}]
@@ -659,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
             elif sec == "act":
                 result["rows"] += bench_act(ceil, ms)
             elif sec == "moe":
-                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s)
+                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s, only=moe_only)
             elif sec == "moe_v4":
-                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s, MOE_V4)
+                result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s, MOE_V4, moe_only)
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
             elif sec == "gemm_v4":

@@ -33,7 +33,9 @@ MoE output (9.6e-3 on the worst single-token site measured); acc16=False keeps f
 Expert parallelism (moe_ep > 1): each rank holds a contiguous block of the experts and routes over all of them. The
 top-k kernel writes ids local to that block and marks another rank's pick with the block size; the align kernel
 leaves those pairs out and every decode program of such a pair returns after the output's initialisation, so a
-rank reads only its own experts' bytes and the TP all-reduce adds the ranks' shares.
+rank reads only its own experts' bytes and the TP all-reduce adds the ranks' shares. With the router's pair list the
+decode GEMVs launch about T·k/ep rows of programs, the rows on the grid's slowest axis, so the listed pairs'
+programs are dispatched before the spare rows' empty ones.
 
 Weights are consumed in the plain reference MXFP4 layout stacked over experts (int8 [E, N, K/2], low nibble = even
 k; e8m0 [E, N, K/32]), not the hopper Marlin repack: the Marlin order is the register-fragment order of
@@ -546,6 +548,17 @@ def _pair_perm16(n, N):
 
 
 @triton.jit
+def _gemv_pids(COMPACT: tl.constexpr):
+    """A decode GEMV program's (pair row, N tile, K slice) and the grid's row and tile counts. Grid (rows, tiles,
+    slices); with a pair list (COMPACT) (tiles, slices, rows): CTAs are dispatched in pair-row order, so the programs
+    of the listed pairs (the first rows) all start before any spare row's empty ones, which otherwise take dispatch
+    slots among them (an EP8 rank at M = 3: 27.7 -> 22.1 µs; benchmarks/README.md, session 14)."""
+    if COMPACT:
+        return tl.program_id(2), tl.program_id(0), tl.program_id(1), tl.num_programs(2), tl.num_programs(0)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1)
+
+
+@triton.jit
 def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
                          out_ptr, sh_ptr, D_OUT, stride_o, stride_sh,
                          N, N_VALID, K, TOPK, E, limit, list_ptr, count_ptr, T, SPLIT: tl.constexpr,
@@ -563,38 +576,36 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     COMPACT (expert parallelism): program row pid_0 runs the pairs list[pid_0 + i·rows], i < PASSES, of the
     count_ptr pairs this rank holds (`router` with a pair list; rows·PASSES >= T·k), so the grid is sized for this
     rank's share of the pairs, not all T·k; every program then writes a share of out's starting value."""
-    pid0 = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid0, pid_n, pid_k, n_rows, n_tiles = _gemv_pids(COMPACT)
     gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
     gdc_launch_dependents()
     if COMPACT:
         if INIT_OUT > 0:
-            _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * tl.num_programs(1) + pid_n) * SPLIT
-                           + pid_k, tl.num_programs(0) * tl.num_programs(1) * SPLIT, INIT_OUT == 2)
+            _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * n_tiles + pid_n) * SPLIT + pid_k,
+                           n_rows * n_tiles * SPLIT, INIT_OUT == 2)
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
-            s = pid0 + i * tl.num_programs(0)
+            s = pid0 + i * n_rows
             if s < count:
                 p = tl.load(list_ptr + s)
                 _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p,
-                          tl.load(ids_ptr + p).to(tl.int64), pid_n, pid_k, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
+                          tl.load(ids_ptr + p).to(tl.int64), pid_n, pid_k, n_tiles, N, N_VALID, K, TOPK, limit, SPLIT,
+                          BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
         if INIT_OUT > 0:
             if p % TOPK == 0:
                 _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(tl.int64), D_OUT, stride_o, stride_sh,
-                                pid_n * SPLIT + pid_k, tl.num_programs(1) * SPLIT, INIT_OUT == 2)
+                                pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
         if e < E:
             _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
-                      N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
+                      n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
 
 
 @triton.jit
 def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
-              N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              n_tiles, N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr, QB: tl.constexpr):
     """`_moe_w13_gemv_kernel`'s work for pair p on (local) expert e."""
     t = p // TOPK
@@ -610,7 +621,7 @@ def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr
     if SPLIT == 1:
         _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
     else:
-        tile = p * tl.num_programs(1) + pid_n
+        tile = p * n_tiles + pid_n
         wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
             tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
@@ -680,15 +691,13 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum).
     ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV. A pair routed to
     another EP rank (id E) is skipped; COMPACT: program row pid_0 runs the listed pairs as `_moe_w13_gemv_kernel`."""
-    pid0 = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid0, pid_n, pid_k, n_rows, n_tiles = _gemv_pids(COMPACT)
     gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
     gdc_launch_dependents()
     if COMPACT:
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: see `_moe_w13_gemv_kernel`)
-            s = pid0 + i * tl.num_programs(0)
+            s = pid0 + i * n_rows
             if s < count:
                 p = tl.load(list_ptr + s)
                 _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, tl.load(ids_ptr + p).to(tl.int64), pid_n,
@@ -942,7 +951,7 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     o = hq if out is None else out
     sh = o if shared is None else shared
     rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
-    _moe_w13_gemv_kernel[(rows, n_tiles, split)](
+    _moe_w13_gemv_kernel[(n_tiles, split, rows) if pairs is not None else (rows, n_tiles, split)](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
@@ -975,7 +984,8 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
     rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
-    _moe_w2_gemv_kernel[(rows, triton.cdiv(d, cfg.bn2), split)](
+    tiles = triton.cdiv(d, cfg.bn2)
+    _moe_w2_gemv_kernel[(tiles, split, rows) if pairs is not None else (rows, tiles, split)](
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
         out.stride(0), plist, pcount,
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,

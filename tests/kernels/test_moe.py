@@ -222,18 +222,20 @@ def _small_experts(e: int, d: int, inter: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("acc16", [False, True])
-def test_moe_gemv_uneven_tiles(acc16):
-    """Decode GEMVs whose tiles do not divide the shapes (masked loads): D = 352, I = 96 with 64-row / 128-K
-    tiles, 3 tokens over 8 experts, split-K on."""
+@pytest.mark.parametrize("d,inter,bk13,bn2,bk2", [(352, 96, 128, 128, 64), (640, 384, 256, 256, 256)])
+def test_moe_gemv_uneven_tiles(acc16, d, inter, bk13, bn2, bk2):
+    """Decode GEMVs whose tiles do not divide the shapes (masked loads), 3 tokens over 8 experts, split-K on:
+    D = 352, I = 96 with 64-row / 128-K tiles, and D = 640, I = 384 with 256-K steps (a half last step in both
+    GEMVs) and 256-row w2 tiles."""
     from dsflash.plugins.moe import MoeConfig, moe_experts
-    e, d, inter, topk = 8, 352, 96, 3
+    e, topk = 8, 3
     gen = torch.Generator(device=DEV).manual_seed(7)
     w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, inter, gen)
     x = _x(3, 400)[:, :d].contiguous()
     ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:topk] for _ in range(3)])
     w = torch.rand(3, topk, device=DEV, generator=gen)
     ref = refs.moe_experts_ref(x, w, ids, *_split(w13_q, w13_s, inter), w2_q, w2_s, LIMIT, inter, None)
-    cfg = MoeConfig(True, 64, 128, 128, 64, 4, 3, 16, 4, 2, 2, acc16)
+    cfg = MoeConfig(True, 64, bk13, bn2, bk2, 4, 3, 16, 4, 2, 2, acc16)
     out = moe_experts(refs.fp8_fake_quant_ref(x), w, ids.to(torch.int32), w13_q, w13_s, w2_q, w2_s, LIMIT, inter,
                       None, cfg)
     assert refs.rel_err(out, ref) < 1e-2, (acc16, refs.rel_err(out, ref))
