@@ -69,11 +69,11 @@ def _read_row(mb: float, ceil: dict, sms: int) -> dict:
     n = int(mb * 1e6) // 16 * 16              # bytes read
     sets = input_sets(n)
     src = [torch.randint(-2 ** 62, 2 ** 62, (n // 8,), dtype=torch.int64, device=DEV) for _ in range(sets)]
+    want = src[0].sum()                       # int64 sums wrap the same way in any order
     best = None
     for per_sm in (2, 4, 8, 16):              # programs resident at once, or a few waves of short chunks
         out = torch.empty(read_programs(n // 8, per_sm * sms)[0], dtype=torch.int64, device=DEV)
         read_sum(src[0], out)
-        want = src[0].view(-1).sum()          # int64 sums wrap the same way in any order
         assert out.sum() == want, "read kernel: wrong sum"
         us, how = graph_time_us([lambda i=i, o=out: read_sum(src[i], o) for i in range(sets)])
         if best is None or us < best["us"]:

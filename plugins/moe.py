@@ -950,8 +950,8 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         assert shared is None or (shared.shape == (t, d) and shared.stride(1) == 1), tuple(shared.shape)
     o = hq if out is None else out
     sh = o if shared is None else shared
-    rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
-    _moe_w13_gemv_kernel[(n_tiles, split, rows) if pairs is not None else (rows, n_tiles, split)](
+    grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, n_tiles, split)
+    _moe_w13_gemv_kernel[grid](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
         o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
@@ -960,13 +960,14 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     return hp
 
 
-def _pair_rows(ids: torch.Tensor, pairs: LocalPairs | None, slots: int):
-    """A decode GEMV's program rows, pair list and count, and passes: one row per pair, or `slots` rows over the
-    listed pairs (each row every slots-th of them, at most T·k / slots passes)."""
+def _pair_grid(ids: torch.Tensor, pairs: LocalPairs | None, slots: int, tiles: int, split: int):
+    """A decode GEMV's grid, pair list and count, and passes: one program row per pair, grid (rows, tiles, split);
+    or `slots` rows over the listed pairs (each row every slots-th of them, at most T·k / slots passes), grid
+    (tiles, split, rows): the rows last, as `_gemv_pids` reads them."""
     if pairs is None:
-        return ids.numel(), ids, ids, 1   # (the list arguments unused: any tensor)
+        return (ids.numel(), tiles, split), ids, ids, 1   # (the list arguments unused: any tensor)
     assert 1 <= slots <= ids.numel(), slots
-    return slots, pairs.index, pairs.count, triton.cdiv(ids.numel(), slots)
+    return (tiles, split, slots), pairs.index, pairs.count, triton.cdiv(ids.numel(), slots)
 
 
 def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
@@ -983,9 +984,8 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
         return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, cfg.pdl)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = max(1, min(cfg.split2, ipad // cfg.bk2))
-    rows, plist, pcount, passes = _pair_rows(ids, pairs, slots)
-    tiles = triton.cdiv(d, cfg.bn2)
-    _moe_w2_gemv_kernel[(tiles, split, rows) if pairs is not None else (rows, tiles, split)](
+    grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, triton.cdiv(d, cfg.bn2), split)
+    _moe_w2_gemv_kernel[grid](
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
         out.stride(0), plist, pcount,
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
