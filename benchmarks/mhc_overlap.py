@@ -8,8 +8,9 @@ q_norm → wq_b, wkv → kv_norm, WO-A with inverse RoPE, wo_b); its core (a ref
 is left out, so the attention site here is shorter than a real one and the overlap has less to hide behind.
 The step is captured in one CUDA graph per order (`ORDERS`) and per token count T; the graphs are replayed in
 turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and the step with the shared expert's
-SwiGLU as torch ops (what the `swiglu` plugin saves) and with its w1 and w3 as two GEMMs instead of one over the
-stacked weight (what `Expert.w13_plugin` saves). Prints a table, writes `--out` JSON.
+SwiGLU as torch ops (what the `swiglu` plugin saves), with its w1 and w3 as two GEMMs instead of one over the
+stacked weight (what `Expert.w13_plugin` saves), and with the shared expert on a second side stream while the router
+and the routed experts run (the `moe` plugin `mxfp4_overlap`). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -33,8 +34,9 @@ TP = 8
 RERUNS = 4    # replays of each order compared against the first serial one
 # serial: mHC coefficients in line; overlap: on the side stream (the default); torch_swiglu: overlap, with the shared
 # expert's SwiGLU as the reference's torch ops instead of the fused kernel; separate_w13: overlap, with the shared
-# expert's w1 and w3 as two GEMMs instead of one over the stacked weight (what engines bind)
-ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13")
+# expert's w1 and w3 as two GEMMs instead of one over the stacked weight (what engines bind); shared_overlap: overlap,
+# with the shared expert on the second side stream, concurrent with the router and routed experts (`mxfp4_overlap`)
+ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -200,6 +202,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                     b.hc_plugin.overlap = order != "serial"
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked
+                    b.ffn.plugin.overlap_shared = order == "shared_overlap"
                     Y, p = b(Y, p, att, None)
                 outs[order] = (Y, p)
             return fn
@@ -221,14 +224,16 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
             # quantizers amplify such last-bit differences over the layers)
             runs = {}
             for name, order in [("serial", "serial")] + [(f"{o}{i}", o) for i in range(RERUNS)
-                                                         for o in ("serial_again", "overlap")]:
+                                                         for o in ("serial_again", "overlap", "shared_overlap")]:
                 graphs[order.removesuffix("_again")].replay()
                 torch.cuda.synchronize()
                 runs[name] = outs[order.removesuffix("_again")][0].float().clone()
             kernels = _kernel_breakdown(graphs, n_layers) if t in profile else None
         rel = max(_rel(runs[f"overlap{i}"], runs["serial"]) for i in range(RERUNS))
         rerun = max(_rel(runs[f"serial_again{i}"], runs["serial"]) for i in range(RERUNS))
+        rel_sh = max(_rel(runs[f"shared_overlap{i}"], runs["serial"]) for i in range(RERUNS))
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
+        sh = us["shared_overlap"] / n_layers
         tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
@@ -236,13 +241,16 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                "hidden_fraction_of_2_hc_mix": round((ser - ovl) / (2 * us["hc_mix"]), 2),
                "max_rel_diff_overlap_vs_serial": rel, "max_rel_diff_serial_rerun": rerun,
                "torch_swiglu_us_per_layer": round(tsw, 2), "saved_by_fused_swiglu_us": round(tsw - ovl, 2),
-               "separate_w13_us_per_layer": round(sep, 2), "saved_by_stacked_w13_us": round(sep - ovl, 2)}
+               "separate_w13_us_per_layer": round(sep, 2), "saved_by_stacked_w13_us": round(sep - ovl, 2),
+               "shared_overlap_us_per_layer": round(sh, 2), "saved_by_shared_overlap_us": round(ovl - sh, 2),
+               "max_rel_diff_shared_overlap_vs_serial": rel_sh}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
-              f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}", flush=True)
+              f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}  shared expert overlapped {sh:.1f} "
+              f"(rel diff ≤ {rel_sh:.1e})", flush=True)
         if kernels:
             for k in kernels["serial"][:25]:
                 print(f"    {k['us']:7.2f} µs  {k['calls']:5.2f}×  {k['name'][:110]}")
@@ -265,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     blocks = make_blocks(args, a.layers)
     tuned = install_tuned(args, blocks, max(ts), a.tune_budget_s) if a.tune_budget_s > 0 else None
     rows = run(args, blocks, ts, a.replays, {int(t) for t in a.profile.split(",") if t})
-    print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8}")
+    print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8} "
+          f"{'+shared overlap':>16} {'saved':>7}")
     for r in rows:
         print(f"{r['T']:>4} {r['serial_us_per_layer']:>16.1f} {r['overlap_us_per_layer']:>9.1f} "
-              f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f}")
+              f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f} "
+              f"{r['shared_overlap_us_per_layer']:>16.1f} {r['saved_by_shared_overlap_us']:>7.1f}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "what": "one decode step of full-size V4.1-Flash blocks of a TP8 rank, CUDA graph; attention core left out",
             "tuned": tuned}

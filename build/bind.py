@@ -43,7 +43,7 @@ def wants_kernel_format(plugins: dict, args, entry) -> bool:
         return (plugins.get("gemm") == "fp8_gemm" and gemm_block(args) is not None
                 and not entry.name.endswith(NOT_LINEAR_SUFFIXES))
     if entry.role == "mxfp4":
-        return plugins.get("moe") == "mxfp4"
+        return plugins.get("moe") in dispatch.MOE_PLUGINS
     return False
 
 
@@ -75,8 +75,8 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                 continue
             lin.plugin = fp8_linear_plugin(t, block)
             bound["gemm"] += 1
-    if plugins.get("moe") == "mxfp4":
-        bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size)
+    if plugins.get("moe") in dispatch.MOE_PLUGINS:
+        bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size, plugins["moe"] == "mxfp4_overlap")
     if plugins.get("mhc") in ("fused", "fused_overlap"):
         for name, mod in model.named_modules():
             if hasattr(mod, "hc_plugin"):
@@ -149,9 +149,9 @@ def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
         return dispatch.FusedHC(hc_split_weight(block.hc_attn_fn), hc_split_weight(block.hc_ffn_fn), overlap)
 
 
-def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
+def _bind_moe(model, args, kept, inter_local: int, ep_size: int, overlap_shared: bool = False) -> int:
     """Bind every V4.1 or V4 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
-    addresses from its first global id. The experts' activations are quantized per 1×`args.act_block` (V4: 128);
+    addresses from its first global id; overlap_shared: the shared expert on a second stream (`mxfp4_overlap`). The experts' activations are quantized per 1×`args.act_block` (V4: 128);
     V4's gate is stored as the BF16 the router kernel reads (its checkpoint values: the same numbers)."""
     from dsflash.model_def.v41 import MoE
     if not args.norm_topk_prob:
@@ -179,7 +179,7 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int) -> int:
         w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
         w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
         moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local, topk, scale,
-                                       temp, args.swiglu_limit, ids[0], args.act_block)
+                                       temp, args.swiglu_limit, ids[0], args.act_block, overlap_shared)
         n += 1
     return n
 

@@ -22,6 +22,7 @@ from dsflash.build.source import open_source
 from dsflash.convert.atomic import atomic_dir
 from dsflash.model_def import build_model
 from dsflash.model_def.config import args_from_hf_dict
+from dsflash.model_def.dispatch import MOE_PLUGINS
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import TensorEntry, tensor_table
 
@@ -308,7 +309,7 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
         if chosen.get("gemm") == "fp8_gemm":
             from dsflash.plugins import tuning
             tuning.set_table(gemm_table(tuned))
-        if chosen.get("moe") == "mxfp4":
+        if chosen.get("moe") in MOE_PLUGINS:
             from dsflash.plugins import moe_config
             moe_config.set_table(moe_table(tuned))
     if hasattr(model, "load_tokenizer"):

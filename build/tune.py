@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from dsflash.build.gemm_shapes import dense_gemm_shapes
 from dsflash.model_def.config import args_from_hf_dict
+from dsflash.model_def.dispatch import MOE_PLUGINS
 from dsflash.model_def.mapping import Mapping
 
 TUNED_FILE = "tuned.json"
@@ -210,7 +211,7 @@ def _moe_buckets(engine: dict) -> list[dict]:
     """One bucket per token count of `_m_buckets_for`, where the engine binds the MoE plugin (`build.bind._bind_moe`:
     not with norm_topk_prob=false). Under expert parallelism the shape is one rank's block of experts (`e` local,
     `ep` ranks: the routing spreads over e·ep)."""
-    if engine.get("plugins", {}).get("moe") != "mxfp4":
+    if engine.get("plugins", {}).get("moe") not in MOE_PLUGINS:
         return []
     args = args_from_hf_dict(engine["model"], "engine.json")
     if not args.norm_topk_prob:

@@ -21,7 +21,9 @@ log = logging.getLogger("dsflash.dispatch")
 REFERENCE = "reference"
 PLUGIN_IMPLS = {
     "gemm": (REFERENCE, "fp8_gemm"),     # FP8 dense linears (V4.1 and V4): FP8 GEMM or BF16-cache GEMM, per tuned.json
-    "moe": (REFERENCE, "mxfp4"),         # router + MXFP4 routed experts + shared-expert add
+    # router + MXFP4 routed experts + shared-expert add; `mxfp4_overlap` runs the shared expert on a second CUDA
+    # stream while the router and the routed experts run, and adds its output after them
+    "moe": (REFERENCE, "mxfp4", "mxfp4_overlap"),
     # mHC coefficients, collapse + norm, expand (+ next collapse + norm); `fused_overlap` also computes each site's
     # coefficients on a second CUDA stream while the attention or MoE runs (seed post §3.1)
     "mhc": (REFERENCE, "fused", "fused_overlap"),
@@ -30,6 +32,7 @@ PLUGIN_IMPLS = {
     "swiglu": (REFERENCE, "fused"),      # the shared expert's clipped SwiGLU (+ BF16 rounding) in one kernel
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
+MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]
 _warned: set[str] = set()
 _ops = None
 
@@ -97,16 +100,19 @@ class MXFP4MoE(nn.Module):
     w13_q int8 [E, 2·I_pad, D/2] (w1 rows, then w3), w13_s e8m0 [E, 2·I_pad, D/32], w2_q [E, D, I_pad/2],
     w2_s [E, D, I_pad/32]; `inter` is the logical local intermediate width (padded columns are zero). Under expert
     parallelism the E experts are this rank's block, global ids expert_start.. (the gate routes over all of them).
-    qblock: the experts' activation quantization block (V4.1 32, V4 128)."""
+    qblock: the experts' activation quantization block (V4.1 32, V4 128). `overlap_shared`: the model computes the
+    shared expert on the device's second side stream (`side_stream(device, 1)`) while this op runs, and adds it
+    after (`shared_expert_forked`): the op then starts its fp32 sum at 0 instead of at the shared output."""
 
     def __init__(self, w13_q, w13_s, w2_q, w2_s, inter: int, topk: int, route_scale: float, gate_temp: float,
-                 swiglu_limit: float, expert_start: int = 0, qblock: int = 32):
+                 swiglu_limit: float, expert_start: int = 0, qblock: int = 32, overlap_shared: bool = False):
         super().__init__()
         for name, t in (("w13_q", w13_q), ("w13_s", w13_s), ("w2_q", w2_q), ("w2_s", w2_s)):
             self.register_buffer(name, t.contiguous())
         self.expert_start, self.qblock = expert_start, qblock
         self.inter, self.topk, self.route_scale = inter, topk, route_scale
         self.gate_temp, self.swiglu_limit = gate_temp, swiglu_limit
+        self.overlap_shared = overlap_shared
 
     def forward(self, flat: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor | None,
                 shared: torch.Tensor | None, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,18 +136,19 @@ class FusedHC(nn.Module):
         self.overlap = overlap
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The second stream of a CUDA device that off-critical-path work runs on (one per device, made on first use);
-    None on the CPU, where `Forked` runs inline."""
+def side_stream(device: torch.device, slot: int = 0) -> torch.cuda.Stream | None:
+    """A side stream of a CUDA device that off-critical-path work runs on (per device and slot, made on first use:
+    slot 0 the mHC coefficients, slot 1 the shared expert, so that neither queues behind the other); None on the
+    CPU, where `Forked` runs inline."""
     if device.type != "cuda":
         return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _side_streams:
-        _side_streams[idx] = torch.cuda.Stream(device=idx)
-    return _side_streams[idx]
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slot)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device=key[0])
+    return _side_streams[key]
 
 
 class Forked:
@@ -167,6 +174,14 @@ class Forked:
         if self._stream is not None:
             self._main.wait_stream(self._stream)
         return self._out
+
+
+def shared_expert_forked(plugin: MXFP4MoE, shared_expert, x: torch.Tensor) -> Forked | None:
+    """The shared expert's output started on the second side stream when the MoE plugin overlaps it (None when it
+    does not: the caller runs it in line and passes its output into the op)."""
+    if not plugin.overlap_shared:
+        return None
+    return Forked(side_stream(x.device, 1), shared_expert, x)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

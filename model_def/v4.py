@@ -416,10 +416,15 @@ class MoE(nn.Module):
         shared expert joins the routed sum inside the op without TP, after the all-reduce with it."""
         g = self.gate
         hash_ids, bias = (g.tid2eid[ids].to(torch.int32), None) if g.hash else (None, g.bias)
-        shared = self.shared_experts(x)
+        forked = dispatch.shared_expert_forked(self.plugin, self.shared_experts, x)
+        shared = self.shared_experts(x) if forked is None else None
         y = self.plugin(x, g.weight, bias, shared if self.tp == 1 else None, hash_ids)
         if self.tp > 1:
-            y = self.comm.all_reduce(y) + shared.float()
+            y = self.comm.all_reduce(y)
+        if forked is not None:
+            y += forked.join()
+        elif self.tp > 1:
+            y = y + shared.float()
         return y
 
 

@@ -181,7 +181,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.plugin is not None:
-            y = self.plugin(flat, self.gate.weight, self.gate.selection_bias(image_mask), self.shared_experts(flat))
+            forked = dispatch.shared_expert_forked(self.plugin, self.shared_experts, flat)
+            shared = self.shared_experts(flat) if forked is None else None
+            y = self.plugin(flat, self.gate.weight, self.gate.selection_bias(image_mask), shared)
+            if forked is not None:
+                y += forked.join()
             return self.comm.all_reduce(y).to(x.dtype).view(x.shape)
         w, idx = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         y = wide(torch.zeros(flat.shape, dtype=x.dtype, device=x.device))

@@ -38,7 +38,7 @@ def sm90_engine(hopper_ckpt):
 def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
-    assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4" and sm90["mhc"] == "fused_overlap"
+    assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
     assert sm90["wo_a"] == "fused"
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
@@ -137,6 +137,27 @@ def test_ep2_ranks_bind_their_expert_blocks(hopper_ckpt, partial_sums):
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 
+def test_overlapped_shared_expert_is_added_once(sm90_engine):
+    """`mxfp4_overlap` (the V4.1 GPU default): the shared expert runs beside the MoE op (on the CPU in line) and its
+    output joins the op's routed sum after it, instead of being the op's starting value: the same MoE output up to
+    BF16 rounding, and not the routed sum alone."""
+    model, eng = load_engine_model(sm90_engine, check_arch=False)
+    assert eng.meta["plugins"]["moe"] == "mxfp4_overlap"
+    moe = model.layers[0].ffn
+    assert moe.plugin.overlap_shared
+    x = torch.randn(1, 5, model.args.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+    with torch.no_grad():
+        overlapped = moe(x)
+        moe.plugin.overlap_shared = False
+        inline = moe(x)
+        routed = moe.comm.all_reduce(moe.plugin(x.view(5, -1), moe.gate.weight, moe.gate.selection_bias(None), None))
+    assert rel(overlapped, inline) <= 5e-3
+    assert rel(routed.to(x.dtype).view(x.shape), inline) > 0.05   # the shared expert contributes
+
+
 def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
     """`dsflash build --disable-plugin gemm`: recorded in engine.json, and the loader binds the other ops only."""
     from dsflash.build.cli import main as build_main
@@ -145,7 +166,7 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
                        "--tune-budget-s", "0"]) == 0
     with caplog.at_level(logging.INFO, logger="dsflash.bind"):
         model, eng = load_engine_model(out, check_arch=False)
-    assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4"
+    assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4_overlap"
     assert eng.meta["build_config"]["disable_plugins"] == ["gemm"]
     assert FP8_GEMM.buckets(eng.meta) == [] and FP8_GEMM.buckets({**eng.meta, "plugins": default_plugins("sm90")})
     assert MOE.buckets(eng.meta)   # the MoE plugin stays on, so build tunes its tiles
@@ -206,6 +227,14 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     assert all(b.hc_plugin is not None and not b.hc_plugin.overlap for b in [*model.layers, *model.mtp])
     assert sum(r["kind"] == "mhc_v4" for r in rows) == len(model.layers)
     assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
+    x = torch.randn(1, 6, model.args.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for ffn in (model.layers[0].ffn, model.layers[-1].ffn):   # a hash-routed and a scored layer: `mxfp4_overlap`
+        with torch.no_grad():                                    # adds the shared expert after the op, the same sum
+            inline = ffn(x, ids[:, :6]).float()
+            ffn.plugin.overlap_shared = True
+            overlapped = ffn(x, ids[:, :6]).float()
+            ffn.plugin.overlap_shared = False
+        assert (overlapped - inline).norm() / inline.norm() <= 5e-3
     wq_b = model.layers[1].attn.wq_b.plugin
     wq_b.w_s.view(torch.uint8)[:4, :4] += 1          # one 128×128 block's scale doubled (its 16 expanded copies)
     hash_ffn = model.layers[0].ffn

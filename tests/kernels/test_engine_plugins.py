@@ -44,6 +44,40 @@ def test_bound_sites_match_their_references(engine):
     assert worst["rel"] <= 1e-2, worst
 
 
+def test_shared_expert_overlap_matches_inline(engine):
+    """`mxfp4_overlap`: the shared expert on the second side stream while the router and routed-expert kernels run,
+    its output added after them, computes the MoE output the in-line order does (the fp32 sums differ only in the
+    order of the shared term), eagerly and replayed from a CUDA graph, and really uses the side stream."""
+    from dsflash.model_def import dispatch
+    model, eng = load_engine_model(engine)
+    assert eng.meta["plugins"]["moe"] == "mxfp4_overlap"
+    moe = model.layers[0].ffn
+    x = (torch.randn(1, 3, model.args.hidden_size, generator=torch.Generator().manual_seed(5)) * 2).to(
+        torch.bfloat16).cuda()
+
+    def run(overlap: bool):
+        moe.plugin.overlap_shared = overlap
+        return moe(x)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+    with torch.no_grad():
+        inline = run(False).clone()
+        eager = run(True).clone()
+        assert dispatch.side_stream(x.device, 1) is not dispatch.side_stream(x.device, 0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(True)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert rel(eager, inline) <= 5e-3 and rel(out, inline) <= 5e-3, (rel(eager, inline), rel(out, inline))
+
+
 def test_missing_tuned_entries_are_logged_once(engine, caplog):
     (engine / "tuned.json").unlink()
     model, _ = load_engine_model(engine)
