@@ -36,7 +36,10 @@ class MoeConfig:
     acc16: bool = False     # GEMV: f16 in-block accumulation (`_mx_gemv16_step`), activations as f16 codes
     stages2: int = 0        # w2 pipelining depth (0: `stages`)
     pdl: bool = False       # GEMV: programmatic dependent launch (each kernel's launch and ramp overlap the tail of
-                            # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait)
+                            # the kernel before it; it waits for that kernel's outputs with griddepcontrol.wait).
+                            # Neither a default nor a candidate: in a decode step it costs 1-3 µs per layer at T = 1-8
+                            # (benchmarks/README.md, session 15), which `build`'s timing, a launch chained to its own
+                            # twin, does not see (it favoured PDL at one TP8 rank's M = 1)
     rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
                             # `rows_fit`), warps2 warps of 16 rows
 
@@ -142,8 +145,9 @@ def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int,
     """Decode (T·k <= 2E, i.e. about one token per active expert): the f16-accumulating GEMV path with the tiles the
     H200 sweep found best (benchmarks/moe_gemv_sweep_h200.json): w13 32 rows of w1 + 32 of w3 × 256 K per step;
     w2 64 rows × 256 K for a long intermediate (TP1-like); for a short one (one TP8 rank: 320) the row-per-thread-pair
-    Gluon w2 (`rows2`, 4 warps) with PDL: the whole pass 1.05-1.11× faster than with the best Triton w2 tile at
-    M = 1 / 3 / 8 (benchmarks/moe_w2_rows_s9_h200.json); else 256 rows × 128 K, 2 K slices, no cp.async staging.
+    Gluon w2 (`rows2`, 4 warps): the whole pass 1.05-1.11× faster than with the best Triton w2 tile at M = 1 / 3 / 8
+    (benchmarks/moe_w2_rows_s9_h200.json, measured with PDL, which is off since session 15: `MoeConfig.pdl`); else
+    256 rows × 128 K, 2 K slices, no cp.async staging.
     Larger M: the sorted BF16-MMA path with 16-token blocks (32/64 once the average expert gets more than ~24/48
     tokens). n_experts is the local count; with ep EP ranks the routing spreads over ep times as many, and about
     1/ep of the (token, expert) pairs run here (the split-K counts aim at those)."""
@@ -153,7 +157,7 @@ def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int,
         if ep > 1:   # an EP rank's few pairs on its listed-pair grid: w13 wins with ~1000 programs, not 400 (one EP8
             # rank, H200: the winners x5-6 / x3-4 / x2 / x1 at M = 1 / 3 / 8 / 64, benchmarks/moe_ep_s11_h200.json)
             cfg = dataclasses.replace(cfg, split13=_gemv_split(pairs * -(-inter // cfg.bn13), dim // cfg.bk13, 1000))
-        return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1, pdl=True) if rows_fit(inter) else cfg
+        return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1) if rows_fit(inter) else cfg
     avg = t * topk / max(1, n_experts * ep)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
     if bm == 16:
@@ -185,11 +189,10 @@ def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep:
     out = [first]
     d = first
     if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
-        out += [dataclasses.replace(first, warps2=w) for w in (2, 8)] + [dataclasses.replace(first, pdl=False)]
+        out += [dataclasses.replace(first, warps2=w) for w in (2, 8)]
         d = _triton_gemv_default(p, inter, dim)
         out.append(d)
     if d.gemv:
-        out.append(dataclasses.replace(d, pdl=not d.pdl))
         old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
                         _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
         out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),

@@ -272,6 +272,19 @@ def test_moe_buckets_and_candidates():
     assert MOE.buckets(no_norm) == []
 
 
+def test_moe_decode_configs_take_no_pdl():
+    """PDL on the MoE GEMVs costs 1-3 µs per layer inside a decode step (benchmarks/README.md, session 15), which
+    build's timing (a launch chained to its own twin) does not see: neither the default rule nor a candidate takes it,
+    at one TP8 rank (the Gluon w2), TP1, an EP8 rank and V4's 1×128 activations."""
+    for t in (1, 3, 8, 64):
+        for shape in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
+            e, inter, d, ep = shape
+            assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).pdl
+            assert not any(c.pdl for c in moe_config.moe_candidates(t, 6, e, inter, d, ep))
+        assert not any(c.pdl for c in moe_config.moe_candidates(t, 6, 256, 256, 4096, qblock=128))
+    assert moe_config.default_moe_config(3, 6, 384, 320, 5120).rows2
+
+
 def test_moe_table_covers_buckets_and_lookup_falls_back_once(caplog):
     shape = {"e": 16, "inter": 64, "inter_valid": 48, "d": 256, "topk": 2, "swiglu_limit": 10.0}
     c1 = moe_config.default_moe_config(1, 2, 16, 64, 256)
