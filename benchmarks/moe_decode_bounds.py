@@ -17,17 +17,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 
 import torch
 
 from dsflash.plugins import moe as M
 from dsflash.plugins import refs
-from dsflash.plugins.bench import measure_ceilings
+from dsflash.plugins.bench import MOE_TOPK as TOPK
+from dsflash.plugins.bench import measure_ceilings, routed_decode_batches
 from dsflash.plugins.timing import graph_time_us
 
 DEV = "cuda"
-D, E, TOPK, LIMIT, SETS = 5120, 384, 6, 10.0, 8
+D, E, LIMIT, SETS = 5120, 384, 10.0, 8
 CASES = [("tp8", 288, 320, 1, (1, 3, 8)), ("ep8", 2304, 2304, 8, (3, 8)), ("tp1", 2304, 2304, 1, (1,))]
 
 
@@ -47,12 +47,7 @@ def main() -> None:
         expert_bytes = 3 * ipad * D // 2 + 3 * ipad * D // 32
         for m in ms:
             cfg = dataclasses.replace(M.default_moe_config(m, TOPK, el, ipad, D, ep), pdl=False)
-            xs = [(torch.randn(m, D, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(SETS)]
-            shared = [torch.randn(m, D, device=DEV, generator=gen) for _ in range(SETS)]
-            lists = [M.local_pairs(m, TOPK, DEV) if ep > 1 else None for _ in xs]
-            routed = [M.router(x, gw, bias, TOPK, 2.5, xq_layout=cfg.xq_layout, local_experts=el, pairs=pl)
-                      for x, pl in zip(xs, lists)]
-            distinct = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
+            _, shared, lists, routed, distinct = routed_decode_batches(m, gw, bias, el, ep, cfg.xq_layout, gen, SETS)
             slots = M.local_pair_slots(m * TOPK, ep)
             hps = [M.gemv_w13(r[2], r[0], r[1], w13_q, w13_s, inter, LIMIT, cfg, None, None, lists[i], slots)
                    for i, r in enumerate(routed)]

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ import torch
 CASES = [("tp8", 288, 320, 1, 3), ("tp8", 288, 320, 1, 8), ("ep8", 2304, 2304, 8, 3), ("ep8", 2304, 2304, 8, 8),
          ("tp1", 2304, 2304, 1, 1), ("tp1", 2304, 2304, 1, 8)]
 DEV = "cuda"
-D, E, TOPK, LIMIT, SETS = 5120, 384, 6, 10.0, 8
+D, E, TOPK, LIMIT, SETS = 5120, 384, 6, 10.0, 8   # (TOPK: the bench's MOE_TOPK)
 
 
 def blocked(q: torch.Tensor, rb: int, c: int) -> torch.Tensor:
@@ -41,6 +40,7 @@ def blocked(q: torch.Tensor, rb: int, c: int) -> torch.Tensor:
 def child(setting: dict) -> None:
     from dsflash.plugins import moe as M
     from dsflash.plugins import refs
+    from dsflash.plugins.bench import routed_decode_batches
     from dsflash.plugins.timing import graph_time_us
     wblk, sblk = setting.get("WBLK", 0), setting.get("SBLK", 0)
     gen = torch.Generator(device=DEV).manual_seed(3)
@@ -66,12 +66,7 @@ def child(setting: dict) -> None:
             if not cfg.rows2:
                 ks2 = blocked(w2_s.view(torch.uint8), sblk, 8).view(w2_s.dtype)
         gen.manual_seed(100 + m)
-        xs = [(torch.randn(m, D, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(SETS)]
-        shared = [torch.randn(m, D, device=DEV, generator=gen) for _ in range(SETS)]
-        lists = [M.local_pairs(m, TOPK, DEV) if ep > 1 else None for _ in xs]
-        routed = [M.router(x, gw, bias, TOPK, 2.5, xq_layout=cfg.xq_layout, local_experts=el, pairs=pl)
-                  for x, pl in zip(xs, lists)]
-        n_act = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
+        xs, shared, lists, routed, n_act = routed_decode_batches(m, gw, bias, el, ep, cfg.xq_layout, gen, SETS)
         b13 = 2 * ipad * D // 2 + 2 * ipad * D // 32
         b2 = D * ipad // 2 + D * ipad // 32
         ref = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, LIMIT, inter, shared[0])

@@ -11,12 +11,12 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 
 import torch
 
 from dsflash.plugins import moe as M
 from dsflash.plugins import refs
+from dsflash.plugins.bench import routed_decode_batches
 from dsflash.plugins.timing import graph_time_us
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,12 +38,8 @@ COPY_GBPS = 4244   # the H200 copy bandwidth of the kernel bench (kernels_h200.j
 res = []
 for m in (3, 8):
     sets = 8
-    xs = [(torch.randn(m, d, device=dev, generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
-    shared = [torch.randn(m, d, device=dev, generator=gen) for _ in range(sets)]
     cfg0 = M.default_moe_config(m, k, el, 2304, d, ep)
-    lists = [M.local_pairs(m, k, dev) for _ in xs]
-    routed = [M.router(x, gw, bias, k, 2.5, xq_layout=cfg0.xq_layout, local_experts=el, pairs=pl) for x, pl in zip(xs, lists)]
-    n_act = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
+    xs, shared, lists, routed, n_act = routed_decode_batches(m, gw, bias, el, ep, cfg0.xq_layout, gen, sets)
     npairs = [int((r[1] < el).sum()) for r in routed]
     p = m * k
     base = orig(p, ep)

@@ -390,6 +390,22 @@ def _eager_time_us(calls: list, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
+def routed_decode_batches(m: int, gw: torch.Tensor, bias: torch.Tensor, local: int, ep: int, layout: str,
+                          gen: torch.Generator, sets: int = 8, qblock: int = 32, topk: int = MOE_TOPK):
+    """`sets` batches of m tokens routed as the MoE bench routes them (top-k over gw's experts, this rank holding the
+    first `local`; EP ranks list their pairs): (activations BF16 [m, D], shared-expert outputs fp32,
+    pair lists or None, router outputs (weights, ids, xq in `layout`), mean count of distinct local experts)."""
+    from dsflash.plugins import moe as M
+    d = gw.shape[1]
+    xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
+    shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(sets)]
+    lists = [M.local_pairs(m, topk, DEV) if ep > 1 else None for _ in xs]
+    routed = [M.router(x, gw, bias, topk, MOE_SCALE, xq_layout=layout, local_experts=local, pairs=pl,
+                       qblock=qblock) for x, pl in zip(xs, lists)]
+    distinct = statistics.mean(len(torch.unique(r[1][r[1] < local])) for r in routed)
+    return xs, shared, lists, routed, distinct
+
+
 def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V41,
               only: set[str] | None = None) -> list[dict]:
     """Router, the decode GEMV GEMMs (w13 + SwiGLU epilogue, w2 + weighted reduction) and the whole routed-expert
@@ -420,15 +436,10 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
                      + (f"(pad {ipad})" if ipad != inter else ""))
             try:
                 n_sets = 8 if m <= 64 else 2
-                xs = [(torch.randn(m, d, device=DEV, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_sets)]
-                shared = [torch.randn(m, d, device=DEV, generator=gen) for _ in range(n_sets)]
                 cfg = M.default_moe_config(m, k, el, ipad, d, ep, qb)
                 lay = cfg.xq_layout
                 # an EP rank lists its pairs, as `moe.moe` does: the decode GEMVs then launch for its share only
-                lists = [M.local_pairs(m, k, DEV) if ep > 1 else None for _ in xs]
-                routed = [M.router(x, gw, bias, k, MOE_SCALE, xq_layout=lay, local_experts=el, pairs=pl, qblock=qb)
-                          for x, pl in zip(xs, lists)]
-                n_act = statistics.mean(len(torch.unique(r[1][r[1] < el])) for r in routed)
+                xs, shared, lists, routed, n_act = routed_decode_batches(m, gw, bias, el, ep, lay, gen, n_sets, qb, k)
                 p = m * k
                 # router (+ the deploy activation quant it also writes)
                 if tp == "tp1":
