@@ -151,8 +151,9 @@ def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
 
 def _bind_moe(model, args, kept, inter_local: int, ep_size: int, overlap_shared: bool = False) -> int:
     """Bind every V4.1 or V4 MoE; under expert parallelism (ep_size > 1) a rank's block of experts, which the plugin
-    addresses from its first global id; overlap_shared: the shared expert on a second stream (`mxfp4_overlap`). The experts' activations are quantized per 1×`args.act_block` (V4: 128);
-    V4's gate is stored as the BF16 the router kernel reads (its checkpoint values: the same numbers)."""
+    addresses from its first global id. The experts' activations are quantized per 1×`args.act_block` (V4: 128);
+    V4's gate is stored as the BF16 the router kernel reads (its checkpoint values: the same numbers).
+    overlap_shared (`mxfp4_overlap`): the model runs the shared expert on a second stream beside the op."""
     from dsflash.model_def.v41 import MoE
     if not args.norm_topk_prob:
         dispatch.warn_once("moe-norm", "moe plugin: norm_topk_prob=false runs the reference MoE")

@@ -413,7 +413,8 @@ class MoE(nn.Module):
 
     def _forward_plugin(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The MoE plugin (fp32 out): hash-routed layers pass their picks (`tid2eid` of the tokens). The replicated
-        shared expert joins the routed sum inside the op without TP, after the all-reduce with it."""
+        shared expert joins the routed sum inside the op without TP, after the all-reduce with it; with the plugin's
+        `overlap_shared` it runs on a side stream beside the op and joins after it (and after the all-reduce)."""
         g = self.gate
         hash_ids, bias = (g.tid2eid[ids].to(torch.int32), None) if g.hash else (None, g.bias)
         forked = dispatch.shared_expert_forked(self.plugin, self.shared_experts, x)
