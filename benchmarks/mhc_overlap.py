@@ -11,8 +11,8 @@ turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and
 SwiGLU as torch ops (what the `swiglu` plugin saves), with its w1 and w3 as two GEMMs instead of one over the
 stacked weight (what `Expert.w13_plugin` saves), with the shared expert on a second side stream while the router
 and the routed experts run (the `moe` plugin `mxfp4_overlap`), and that order again with the MoE's decode configs
-without programmatic dependent launch (what PDL does in a real decode chain; untuned buckets only: the
-default rule's configs). Prints a table, writes `--out` JSON.
+with programmatic dependent launch, or with the dense GEMMs' without it (what PDL does in a real decode chain;
+untuned buckets only: the default rules' configs). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -38,8 +38,9 @@ RERUNS = 4    # replays of each order compared against the first serial one
 # expert's SwiGLU as the reference's torch ops instead of the fused kernel; separate_w13: overlap, with the shared
 # expert's w1 and w3 as two GEMMs instead of one over the stacked weight (what engines bind); shared_overlap: overlap,
 # with the shared expert on the second side stream, concurrent with the router and routed experts (`mxfp4_overlap`)
-# moe_no_pdl: shared_overlap with the MoE decode configs' PDL off; no_pdl: also the dense FP8 GEMMs' default configs
-ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_no_pdl", "no_pdl")
+# moe_pdl: shared_overlap with PDL on for the MoE decode configs (off by default); no_pdl: shared_overlap with the
+# dense FP8 GEMMs' default configs without it
+ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "no_pdl")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -187,21 +188,17 @@ def make_blocks(args, n_layers: int) -> list[Block]:
     return [make_block(args, layer, seed) for seed, layer in enumerate(layers)]
 
 
-def _without_pdl(module, name: str):
-    """A default-config rule of `module` (what its `lookup` falls back to, per call) and the same rule with PDL off."""
+def _with_pdl(module, name: str, pdl: bool):
+    """A default-config rule of `module` (what its `lookup` falls back to, per call) and the same rule with PDL set."""
     rule = getattr(module, name)
-
-    def no_pdl(*a, **k):
-        out = rule(*a, **k)
-        return dataclasses.replace(out, pdl=False) if hasattr(out, "pdl") else out
-    return rule, no_pdl
+    return rule, lambda *a, **k: dataclasses.replace(rule(*a, **k), pdl=pdl)
 
 
 def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int] = frozenset()) -> list[dict]:
     n_layers = len(blocks)
     from dsflash.plugins import moe_config, tuning
-    moe_rule, moe_rule_no_pdl = _without_pdl(moe_config, "default_moe_config")
-    gemm_rule, gemm_rule_no_pdl = _without_pdl(tuning, "default_config")
+    moe_rule, moe_rule_pdl = _with_pdl(moe_config, "default_moe_config", True)
+    gemm_rule, gemm_rule_no_pdl = _with_pdl(tuning, "default_config", False)
     rows = []
     w13 = [b.ffn.shared_experts.w13_plugin for b in blocks]   # (once: the separate_w13 order unbinds them)
     for t in ts:
@@ -218,8 +215,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                     b.hc_plugin.overlap = order != "serial"
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked
-                    b.ffn.plugin.overlap_shared = order in ("shared_overlap", "moe_no_pdl", "no_pdl")
-                    moe_config.default_moe_config = moe_rule_no_pdl if order.endswith("no_pdl") else moe_rule
+                    b.ffn.plugin.overlap_shared = order in ("shared_overlap", "moe_pdl", "no_pdl")
+                    moe_config.default_moe_config = moe_rule_pdl if order == "moe_pdl" else moe_rule
                     tuning.default_config = gemm_rule_no_pdl if order == "no_pdl" else gemm_rule
                     Y, p = b(Y, p, att, None)
                 moe_config.default_moe_config, tuning.default_config = moe_rule, gemm_rule
@@ -253,8 +250,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         rel_sh = max(_rel(runs[f"shared_overlap{i}"], runs["serial"]) for i in range(RERUNS))
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
         sh = us["shared_overlap"] / n_layers
-        nopdl = us["moe_no_pdl"] / n_layers
-        nopdl_all = us["no_pdl"] / n_layers
+        moe_pdl, dense_no_pdl = us["moe_pdl"] / n_layers, us["no_pdl"] / n_layers
         tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
@@ -265,15 +261,17 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                "separate_w13_us_per_layer": round(sep, 2), "saved_by_stacked_w13_us": round(sep - ovl, 2),
                "shared_overlap_us_per_layer": round(sh, 2), "saved_by_shared_overlap_us": round(ovl - sh, 2),
                "max_rel_diff_shared_overlap_vs_serial": rel_sh,
-               "moe_no_pdl_us_per_layer": round(nopdl, 2), "saved_by_moe_pdl_us": round(nopdl - sh, 2),
-               "no_pdl_us_per_layer": round(nopdl_all, 2)}
+               "moe_pdl_us_per_layer": round(moe_pdl, 2), "cost_of_moe_pdl_us": round(moe_pdl - sh, 2),
+               "no_pdl_us_per_layer": round(dense_no_pdl, 2),
+               "cost_of_dense_without_pdl_us": round(dense_no_pdl - sh, 2)}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
               f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}  shared expert overlapped {sh:.1f} "
-              f"(rel diff ≤ {rel_sh:.1e})  MoE without PDL {nopdl:.1f}  no PDL at all {nopdl_all:.1f}", flush=True)
+              f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  dense GEMMs without PDL {dense_no_pdl:.1f}",
+              flush=True)
         if kernels:
             for k in kernels["serial"][:25]:
                 print(f"    {k['us']:7.2f} µs  {k['calls']:5.2f}×  {k['name'][:110]}")
@@ -297,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     tuned = install_tuned(args, blocks, max(ts), a.tune_budget_s) if a.tune_budget_s > 0 else None
     rows = run(args, blocks, ts, a.replays, {int(t) for t in a.profile.split(",") if t})
     print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8} "
-          f"{'+shared overlap':>16} {'saved':>7} {'MoE no PDL':>11} {'no PDL':>7}")
+          f"{'+shared overlap':>16} {'saved':>7} {'MoE PDL':>8} {'dense no PDL':>13}")
     for r in rows:
         print(f"{r['T']:>4} {r['serial_us_per_layer']:>16.1f} {r['overlap_us_per_layer']:>9.1f} "
               f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f} "
               f"{r['shared_overlap_us_per_layer']:>16.1f} {r['saved_by_shared_overlap_us']:>7.1f} "
-              f"{r['moe_no_pdl_us_per_layer']:>11.1f} {r['no_pdl_us_per_layer']:>7.1f}")
+              f"{r['moe_pdl_us_per_layer']:>8.1f} {r['no_pdl_us_per_layer']:>13.1f}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "what": "one decode step of full-size V4.1-Flash blocks of a TP8 rank, CUDA graph; attention core left out",
             "tuned": tuned}
