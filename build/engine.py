@@ -131,7 +131,7 @@ def to_layout(e: TensorEntry, ref: dict[str, torch.Tensor], layout: str, expert_
 # (1×128 expert activations, hash-routed layers given their picks).
 FAMILY_PLUGINS = {"v41": None,
                   "v4": {"gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused",
-                         "moe": "mxfp4"}}
+                         "moe": "mxfp4_overlap"}}
 
 
 def default_plugins(arch: str, disabled: tuple[str, ...] = (), family: str = "v41") -> dict[str, str]:

@@ -178,10 +178,12 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
 
 def test_v4_gpu_engines_select_the_shared_kernels():
     """V4 shares the FP8 linears (1×128 / 128×128 groups), the norms, the shared expert's SwiGLU, WO-A, the mHC
-    kernels (per-site coefficients: nothing to overlap) and the MoE kernels (1×128 expert activations) with V4.1."""
+    kernels (per-site coefficients: nothing to overlap) and the MoE kernels (1×128 expert activations, the shared
+    expert beside them) with V4.1."""
     v4 = default_plugins("sm90", family="v4")
     assert {op: impl for op, impl in v4.items() if impl != "reference"} == {
-        "gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused", "moe": "mxfp4"}
+        "gemm": "fp8_gemm", "norm": "fused", "swiglu": "fused", "mhc": "fused", "wo_a": "fused",
+        "moe": "mxfp4_overlap"}
     assert default_plugins("sm90", ("mhc",), family="v4")["mhc"] == "reference"
 
 
@@ -204,8 +206,9 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90", BuildConfig(),
                        progress=False)
     model, meta = load_engine_model(eng, check_arch=False)
-    assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "mxfp4"
-    assert all(b.ffn.plugin is not None and b.ffn.plugin.qblock == 128 for b in [*model.layers, *model.mtp])
+    assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "mxfp4_overlap"
+    assert all(b.ffn.plugin is not None and b.ffn.plugin.qblock == 128 and b.ffn.plugin.overlap_shared
+               for b in [*model.layers, *model.mtp])
     assert model.layers[0].ffn.gate.hash and not model.layers[-1].ffn.gate.hash
     assert all(b.attn.fused_wo_a and b.attn.wo_a.weight.dtype == torch.bfloat16 for b in model.layers)
     lins = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.quant == "fp8"}
@@ -230,10 +233,10 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     x = torch.randn(1, 6, model.args.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for ffn in (model.layers[0].ffn, model.layers[-1].ffn):   # a hash-routed and a scored layer: `mxfp4_overlap`
         with torch.no_grad():                                    # adds the shared expert after the op, the same sum
-            inline = ffn(x, ids[:, :6]).float()
-            ffn.plugin.overlap_shared = True
             overlapped = ffn(x, ids[:, :6]).float()
             ffn.plugin.overlap_shared = False
+            inline = ffn(x, ids[:, :6]).float()
+            ffn.plugin.overlap_shared = True
         assert (overlapped - inline).norm() / inline.norm() <= 5e-3
     wq_b = model.layers[1].attn.wq_b.plugin
     wq_b.w_s.view(torch.uint8)[:4, :4] += 1          # one 128×128 block's scale doubled (its 16 expanded copies)

@@ -4,6 +4,7 @@ that match the references too.
 (The mid-size engine and the end-to-end figures: benchmarks/engine_plugins.py.)"""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -44,10 +45,11 @@ def test_bound_sites_match_their_references(engine):
     assert worst["rel"] <= 1e-2, worst
 
 
-def test_shared_expert_overlap_matches_inline(engine):
+def test_shared_expert_overlap_matches_inline(engine, tmp_path):
     """`mxfp4_overlap`: the shared expert on the second side stream while the router and routed-expert kernels run,
     its output added after them, computes the MoE output the in-line order does (the fp32 sums differ only in the
-    order of the shared term), eagerly and replayed from a CUDA graph, and really uses the side stream."""
+    order of the shared term), eagerly and replayed from a CUDA graph, and really runs the shared expert on another
+    stream than the router (profiler kernel events)."""
     from dsflash.model_def import dispatch
     model, eng = load_engine_model(engine)
     assert eng.meta["plugins"]["moe"] == "mxfp4_overlap"
@@ -76,6 +78,34 @@ def test_shared_expert_overlap_matches_inline(engine):
         graph.replay()
         torch.cuda.synchronize()
     assert rel(eager, inline) <= 5e-3 and rel(out, inline) <= 5e-3, (rel(eager, inline), rel(out, inline))
+    # where the kernels ran: the shared expert's SwiGLU beside the router on another stream, and, as a control that
+    # the check can fail, on the router's stream in line
+    with torch.no_grad():
+        assert _kernel_streams(lambda: run(False), tmp_path / "inline.json") == 1
+        assert _kernel_streams(lambda: run(True), tmp_path / "overlap.json") == 2
+
+
+def _kernel_streams(fn, trace_path) -> int:
+    """How many distinct CUDA streams the shared expert's SwiGLU kernel and the MoE router's logits kernel ran on
+    in one eager call of fn (from the profiler's kernel events)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    streams = {}
+    for ev in events:
+        if ev.get("cat") != "kernel":
+            continue
+        for key in ("_clipped_swiglu_kernel", "_router_logits_kernel"):
+            if key in ev["name"]:
+                streams.setdefault(key, set()).add(ev["args"]["stream"])
+    assert set(streams) == {"_clipped_swiglu_kernel", "_router_logits_kernel"}, streams
+    assert all(len(v) == 1 for v in streams.values()), streams
+    return len(set().union(*streams.values()))
 
 
 def test_missing_tuned_entries_are_logged_once(engine, caplog):
