@@ -1,18 +1,20 @@
 """mHC coefficients on a side stream (`mhc` plugin `fused_overlap`) against the serial order (`fused`), GPU.
 
-One decode step of `--layers` full-size V4.1-Flash blocks of one TP8 rank (TP8/EP1: 384 experts of 288, padded to
-320; shared expert 288; 8 heads), dummy weights generated in place, the model's own `Block` code with the plugins
-bound: mHC (`hc_mix` + `hc_pre` + `hc_post_pre` + `hc_post`), the MoE op (router + MXFP4 experts) with the shared
-expert's FP8 linears and fused SwiGLU, the norms. The attention site runs the attention's projections on their plugins (wq_a →
-q_norm → wq_b, wkv → kv_norm, WO-A with inverse RoPE, wo_b); its core (a reference op in this repo, not graph-safe)
-is left out, so the attention site here is shorter than a real one and the overlap has less to hide behind.
-The step is captured in one CUDA graph per order (`ORDERS`) and per token count T; the graphs are replayed in
+One decode step of `--layers` full-size V4.1-Flash blocks of one TP8 rank (TP8/EP1: 384 experts of 288, padded to 320;
+shared expert 288; 8 heads), dummy weights generated in place, the model's own `Block` code with the plugins bound:
+mHC (`hc_mix` + `hc_pre` + `hc_post_pre` + `hc_post`), the MoE op (router + MXFP4 experts) with the shared expert's
+FP8 linears and fused SwiGLU, the norms. The attention site runs the attention's projections on their plugins ([wq_a;
+wkv] as one GEMM → q_norm → wq_b and kv_norm, WO-A with inverse RoPE, wo_b); its core (a reference op in this repo,
+not graph-safe) is left out, so the attention site here is shorter than a real one and the overlap has less to hide
+behind. The step is captured in one CUDA graph per order (`ORDERS`) and per token count T; the graphs are replayed in
 turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and the step with the shared expert's
-SwiGLU as torch ops (what the `swiglu` plugin saves), with its w1 and w3 as two GEMMs instead of one over the
-stacked weight (what `Expert.w13_plugin` saves), with the shared expert on a second side stream while the router
-and the routed experts run (the `moe` plugin `mxfp4_overlap`), and that order again with the MoE's decode configs
-with programmatic dependent launch, or with the dense GEMMs' without it (what PDL does in a real decode chain;
-untuned buckets only: the default rules' configs). Prints a table, writes `--out` JSON.
+SwiGLU as torch ops (what the `swiglu` plugin saves), with its w1 and w3 as two GEMMs instead of one over the stacked
+weight (what `Expert.w13_plugin` saves), with the shared expert on a second side stream while the router and the
+routed experts run (the `moe` plugin `mxfp4_overlap`), and that order again with the MoE's decode configs with
+programmatic dependent launch, or with the dense GEMMs' without it (what PDL does in a real decode chain; untuned
+buckets only: the default rules' configs), with the attention's wq_a and wkv as two GEMMs (what
+`Attention.wqkv_a_plugin` saves), or with the untuned decode GEMMs quantizing their activation in the kernel. Prints a
+table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -27,7 +29,7 @@ import torch
 
 from dsflash.model_def import dispatch, get_preset
 from dsflash.model_def.csa2 import layer_inv_freq
-from dsflash.model_def.layers import LocalComm, Numerics, RMSNorm
+from dsflash.model_def.layers import LocalComm, Numerics, RMSNorm, stacked_or_each
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.v41 import Block
 
@@ -40,7 +42,10 @@ RERUNS = 4    # replays of each order compared against the first serial one
 # with the shared expert on the second side stream, concurrent with the router and routed experts (`mxfp4_overlap`)
 # moe_pdl: shared_overlap with PDL on for the MoE decode configs (off by default); no_pdl: shared_overlap with the
 # dense FP8 GEMMs' default configs without it
-ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "no_pdl")
+# separate_qkv_a: shared_overlap with the attention's wq_a and wkv as two GEMMs instead of one over the stacked weight;
+# qa_default: shared_overlap with the untuned Gluon decode GEMMs quantizing their activation in the kernel
+ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "no_pdl",
+          "separate_qkv_a", "qa_default")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -84,6 +89,8 @@ def make_block(args, layer: int, seed: int) -> Block:
             lin.plugin = _fp8_linear(lin, g)
         sh = moe.shared_experts
         sh.w13_plugin = stacked_fp8_linear([{"q": w.plugin.w_q, "s": w.plugin.w_s} for w in (sh.w1, sh.w3)])
+        at = blk.attn
+        at.wqkv_a_plugin = stacked_fp8_linear([{"q": w.plugin.w_q, "s": w.plugin.w_s} for w in (at.wq_a, at.wkv)])
         blk.attn.wo_a.weight.copy_(torch.randn(blk.attn.wo_a.weight.shape, device=DEV, generator=g)
                                    * blk.attn.wo_a.weight.shape[1] ** -0.5)
     return blk
@@ -97,8 +104,9 @@ def attention_projections(blk: Block, t: int):
     cos, sin = dispatch.rope_cos_sin(torch.arange(t, device=DEV), inv)
 
     def attend(x):                                          # x [1, T, D]
-        q = a.wq_b(a.q_norm(a.wq_a(x))).view(t, a.n_local, a.head_dim)
-        kv = a.kv_norm(a.wkv(x)).view(t, 1, a.head_dim)
+        qa, kva = stacked_or_each(a.wqkv_a_plugin, x, (a.wq_a, a.wkv))
+        q = a.wq_b(a.q_norm(qa)).view(t, a.n_local, a.head_dim)
+        kv = a.kv_norm(kva).view(t, 1, a.head_dim)
         z = dispatch.ops().wo_a((q + kv).contiguous(), cos, sin, a.wo_a.weight)
         return a.wo_b(z.view(1, t, -1))
     return attend
@@ -188,6 +196,19 @@ def make_blocks(args, n_layers: int) -> list[Block]:
     return [make_block(args, layer, seed) for seed, layer in enumerate(layers)]
 
 
+def _with_quant_in_kernel(rule):
+    """The GEMM default rule, with a Gluon decode default replaced by the same ring quantizing its activation in the
+    kernel (`GemmConfig.quant_in_kernel`; the fewest K slices offered)."""
+    from dsflash.plugins import tuning
+
+    def qa_rule(n, k, m, arch=None, group=32):
+        c = rule(n, k, m, arch, group)
+        fits = [x for x in tuning.gluon_decode_candidates(n, k) if c.gluon and x.pdl and x.quant_in_kernel
+                and (x.kgroups, x.num_stages) == (c.kgroups, c.num_stages)]
+        return min(fits, key=lambda x: x.split_k) if fits else c
+    return qa_rule
+
+
 def _with_pdl(module, name: str, pdl: bool):
     """A default-config rule of `module` (what its `lookup` falls back to, per call) and the same rule with PDL set."""
     rule = getattr(module, name)
@@ -199,8 +220,10 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
     from dsflash.plugins import moe_config, tuning
     moe_rule, moe_rule_pdl = _with_pdl(moe_config, "default_moe_config", True)
     gemm_rule, gemm_rule_no_pdl = _with_pdl(tuning, "default_config", False)
+    gemm_rule_qa = _with_quant_in_kernel(gemm_rule)
     rows = []
     w13 = [b.ffn.shared_experts.w13_plugin for b in blocks]   # (once: the separate_w13 order unbinds them)
+    qkv_a = [b.attn.wqkv_a_plugin for b in blocks]             # (and separate_qkv_a these)
     for t in ts:
         g = torch.Generator(device=DEV).manual_seed(100 + t)
         X = (torch.randn(1, t, 4, args.hidden_size, device=DEV, generator=g) * 2).to(torch.bfloat16)
@@ -211,13 +234,15 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         def step(order: str):
             def fn():
                 Y, p = X, pre
-                for b, att, stacked in zip(blocks, attends, w13):
+                for b, att, stacked, stacked_qkv in zip(blocks, attends, w13, qkv_a):
                     b.hc_plugin.overlap = order != "serial"
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked
-                    b.ffn.plugin.overlap_shared = order in ("shared_overlap", "moe_pdl", "no_pdl")
+                    b.attn.wqkv_a_plugin = None if order == "separate_qkv_a" else stacked_qkv
+                    b.ffn.plugin.overlap_shared = order not in ("serial", "overlap", "torch_swiglu", "separate_w13")
                     moe_config.default_moe_config = moe_rule_pdl if order == "moe_pdl" else moe_rule
-                    tuning.default_config = gemm_rule_no_pdl if order == "no_pdl" else gemm_rule
+                    tuning.default_config = {"no_pdl": gemm_rule_no_pdl, "qa_default": gemm_rule_qa}.get(order,
+                                                                                                         gemm_rule)
                     Y, p = b(Y, p, att, None)
                 moe_config.default_moe_config, tuning.default_config = moe_rule, gemm_rule
                 outs[order] = (Y, p)
@@ -251,6 +276,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
         sh = us["shared_overlap"] / n_layers
         moe_pdl, dense_no_pdl = us["moe_pdl"] / n_layers, us["no_pdl"] / n_layers
+        sep_qkv, qa = us["separate_qkv_a"] / n_layers, us["qa_default"] / n_layers
         tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
@@ -263,14 +289,17 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                "max_rel_diff_shared_overlap_vs_serial": rel_sh,
                "moe_pdl_us_per_layer": round(moe_pdl, 2), "cost_of_moe_pdl_us": round(moe_pdl - sh, 2),
                "no_pdl_us_per_layer": round(dense_no_pdl, 2),
-               "cost_of_dense_without_pdl_us": round(dense_no_pdl - sh, 2)}
+               "cost_of_dense_without_pdl_us": round(dense_no_pdl - sh, 2),
+               "separate_qkv_a_us_per_layer": round(sep_qkv, 2), "saved_by_stacked_qkv_a_us": round(sep_qkv - sh, 2),
+               "qa_default_us_per_layer": round(qa, 2), "saved_by_qa_default_us": round(sh - qa, 2)}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
               f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}  shared expert overlapped {sh:.1f} "
-              f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  dense GEMMs without PDL {dense_no_pdl:.1f}",
+              f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  dense GEMMs without PDL {dense_no_pdl:.1f}  "
+              f"wq_a and wkv apart {sep_qkv:.1f}  in-kernel activation quantization by default {qa:.1f}",
               flush=True)
         if kernels:
             for k in kernels["serial"][:25]:
@@ -295,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     tuned = install_tuned(args, blocks, max(ts), a.tune_budget_s) if a.tune_budget_s > 0 else None
     rows = run(args, blocks, ts, a.replays, {int(t) for t in a.profile.split(",") if t})
     print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8} "
-          f"{'+shared overlap':>16} {'saved':>7} {'MoE PDL':>8} {'dense no PDL':>13}")
+          f"{'+shared overlap':>16} {'saved':>7} {'MoE PDL':>8} {'dense no PDL':>13} {'wq_a, wkv apart':>16}")
     for r in rows:
         print(f"{r['T']:>4} {r['serial_us_per_layer']:>16.1f} {r['overlap_us_per_layer']:>9.1f} "
               f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f} "
               f"{r['shared_overlap_us_per_layer']:>16.1f} {r['saved_by_shared_overlap_us']:>7.1f} "
-              f"{r['moe_pdl_us_per_layer']:>8.1f} {r['no_pdl_us_per_layer']:>13.1f}")
+              f"{r['moe_pdl_us_per_layer']:>8.1f} {r['no_pdl_us_per_layer']:>13.1f} "
+              f"{r['separate_qkv_a_us_per_layer']:>16.1f}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "what": "one decode step of full-size V4.1-Flash blocks of a TP8 rank, CUDA graph; attention core left out",
             "tuned": tuned}

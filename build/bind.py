@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks_w13
+from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks
 from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
@@ -63,7 +63,7 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
     bound = {op: 0 for op in plugins}
     block = gemm_block(args)
     if plugins.get("gemm") == "fp8_gemm" and block is not None:
-        stacked = _bind_stacked_w13(model, kept, block)
+        stacked = _bind_stacked_w13(model, kept, block) | _bind_stacked_qkv_a(model, kept, block)
         bound["gemm"] += len(stacked) // 2
         for name, lin in _fp8_linears(model):
             t = kept.get(f"{name}.weight")
@@ -132,7 +132,7 @@ def _bind_stacked_w13(model, kept, block: int) -> set[str]:
     `w13_plugin` (its BF16-cache copy stacked too). Returns the names of the linears it covers."""
     done: set[str] = set()
     for name, mod in model.named_modules():
-        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks_w13(mod.w1.out_features, block)):
+        if not (isinstance(mod, Expert) and mod.w1.quant == "fp8" and stacks(mod.w1.out_features, block)):
             continue
         t1, t3 = kept.get(f"{name}.w1.weight"), kept.get(f"{name}.w3.weight")
         if t1 is None or t3 is None or not fits_kernel(t1["q"].shape[1]):
@@ -140,6 +140,31 @@ def _bind_stacked_w13(model, kept, block: int) -> set[str]:
         mod.w13_plugin = stacked_fp8_linear([t1, t3], block)
         done |= {f"{name}.w1", f"{name}.w3"}
     return done
+
+
+def _bind_stacked_qkv_a(model, kept, block: int) -> set[str]:
+    """Each attention's wq_a and wkv read the same x: bind one `FP8Linear` over [wq_a; wkv] as its `wqkv_a_plugin`
+    (one launch and one weight stream at decode instead of two), and each of the two to its rows of the stacked
+    tensors (views: a DSpark draft stage's window rows run wkv alone). Returns the names of the linears it covers."""
+    done: set[str] = set()
+    for name, mod in model.named_modules():
+        if not (isinstance(mod, ATTENTIONS) and mod.wq_a.quant == "fp8" and mod.wkv.quant == "fp8"):
+            continue
+        tq, tkv = kept.get(f"{name}.wq_a.weight"), kept.get(f"{name}.wkv.weight")
+        if tq is None or tkv is None or not fits_kernel(tq["q"].shape[1]) or not stacks(tq["q"].shape[0], block):
+            continue
+        mod.wqkv_a_plugin = stacked_fp8_linear([tq, tkv], block)
+        nq = tq["q"].shape[0]
+        mod.wq_a.plugin = _row_slice(mod.wqkv_a_plugin, 0, nq)
+        mod.wkv.plugin = _row_slice(mod.wqkv_a_plugin, nq, mod.wqkv_a_plugin.w_q.shape[0])
+        done |= {f"{name}.wq_a", f"{name}.wkv"}
+    return done
+
+
+def _row_slice(plugin: dispatch.FP8Linear, lo: int, hi: int) -> dispatch.FP8Linear:
+    """The `FP8Linear` of rows [lo, hi) of a stacked one (lo, hi multiples of 32), sharing its storage."""
+    bf16 = None if plugin.w_bf16 is None else plugin.w_bf16[lo:hi]
+    return dispatch.FP8Linear(plugin.w_q[lo:hi], plugin.w_s[lo // 32:-(-hi // 32)], bf16, plugin.act_block)
 
 
 def fused_hc(block, overlap: bool) -> dispatch.FusedHC:
@@ -233,6 +258,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif type(mod) is v4.Block and mod.hc_plugin is not None:   # (X, ids); MTP blocks: the same kernels
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("mhc_v4", n, m, (a[0].detach().clone(), a[1]))))
+        if isinstance(mod, ATTENTIONS) and mod.wqkv_a_plugin is not None:   # the stacked wq_a|wkv GEMM
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("gemm_qkv_a", n + ".wqkv_a", m, (a[0].detach().clone(),))))
         if isinstance(mod, ATTENTIONS) and mod.fused_wo_a:
             mod._output = _capturing(mod, mod._output, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
     try:
@@ -260,7 +288,7 @@ def _reference_copy(mod):
     extra roundings (e.g. the expert intermediate, which the MoE kernel keeps in fp32)."""
     ref = copy.deepcopy(mod)
     for m in ref.modules():
-        for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin"):
+        for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin", "wqkv_a_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
         if getattr(m, "fused_wo_a", False):
@@ -308,6 +336,9 @@ def _replay(kind: str, mod, payload) -> float:
             if kind == "gemm_w13":
                 x = payload[0]
                 return _rel(mod.w13_plugin(x), torch.cat([ref.w1(x.float()), ref.w3(x.float())], -1))
+            if kind == "gemm_qkv_a":
+                x = payload[0]
+                return _rel(mod.wqkv_a_plugin(x), torch.cat([ref.wq_a(x.float()), ref.wkv(x.float())], -1))
             if kind == "mhc":
                 X, pre = payload
                 got = mod(X, pre, lambda x: x, None)

@@ -16,6 +16,7 @@ from dsflash.plugins.refs import ACT_BLOCKS
 GROUP32_BLOCK = 32
 NOT_LINEAR_SUFFIXES = ("attn.wo_a.weight",)
 SHARED_W13 = ("shared_experts.w1.weight", "shared_experts.w3.weight")
+QKV_A = ("attn.wq_a.weight", "attn.wkv.weight")   # an attention's wq_a and wkv: both read x, stacked as one GEMM
 
 
 def gemm_block(args) -> int | None:
@@ -31,9 +32,10 @@ def fits_kernel(k: int) -> bool:
     return k % GROUP32_BLOCK == 0
 
 
-def stacks_w13(rows: int, w_block: int = GROUP32_BLOCK) -> bool:
-    """Whether a shared expert's local w1 and w3 ([rows, D] each) run as one GEMM over [w1; w3] (`build.bind` binds
-    them so): when the weight's scale blocks do not straddle the seam."""
+def stacks(rows: int, w_block: int = GROUP32_BLOCK) -> bool:
+    """Whether a linear of `rows` local rows and the one after it run as one GEMM over their row-stacked weights (a
+    shared expert's [w1; w3], an attention's [wq_a; wkv]; `build.bind` binds them so): when the weight's scale
+    blocks do not straddle the seam."""
     return rows % w_block == 0
 
 
@@ -45,7 +47,9 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
     """Distinct local (N, K) of the FP8 linears `rank` runs: [{"n", "k", "group", "bf16_cache", "names"}], sorted
     (group: the activation quantization block, 32 or V4's 128).
 
-    A shared expert's w1 and w3 count once, as their stacked [2·I_local, D] (the engine binds them as one GEMM).
+    A shared expert's w1 and w3 count once, as their stacked [2·I_local, D] (the engine binds them as one GEMM); an
+    attention's wq_a and wkv as their stacked [q_lora + head_dim, D], and wkv alone too (a DSpark draft stage's
+    window rows run it alone).
     bf16_cache: some tensor of that shape has a `.weight_bf16` copy in this engine (hopper layout and
     `bf16_cache_eligible`), so the BF16-cache path is a candidate; tensors of the shape without one (e.g. `mtp.*`
     sharing a `layers.*` shape) run the FP8 path with the bucket's best FP8 config (`tune.gemm_table`).
@@ -59,6 +63,7 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
     mapping = Mapping.from_dict(engine["mapping"]).for_rank(rank)
     cuts = plan_rank(args, table, mapping, engine["arch"]).cuts
     hopper = engine.get("layout") == "hopper"
+    entries = {e.name: e for e in table}
     shapes: dict[tuple[int, int], dict] = {}
     for e in table:
         if e.name not in cuts:
@@ -66,10 +71,14 @@ def dense_gemm_shapes(engine: dict, rank: int = 0) -> list[dict]:
         n, k = cuts[e.name].shape(e.shape)
         if not fits_kernel(k):
             continue
-        if e.name.endswith(SHARED_W13) and stacks_w13(n, block):   # one GEMM over [w1; w3]
+        if e.name.endswith(SHARED_W13) and stacks(n, block):   # one GEMM over [w1; w3]
             if e.name.endswith(SHARED_W13[1]):
                 continue
             n *= 2
+        if e.name.endswith(QKV_A[0]) and stacks(n, block):   # one GEMM over [wq_a; wkv]
+            kv = e.name.removesuffix(QKV_A[0]) + QKV_A[1]
+            if kv in cuts:
+                n += cuts[kv].shape(entries[kv].shape)[0]
         s = shapes.setdefault((n, k), {"n": n, "k": k, "group": block, "bf16_cache": False, "names": []})
         s["names"].append(e.name)
         s["bf16_cache"] |= hopper and bf16_cache_eligible(e, args)

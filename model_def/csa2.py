@@ -19,7 +19,8 @@ from torch import nn
 
 from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
-                                      apply_rope, local_slice, rope_inv_freq, sink_attention, tp_of, wide)
+                                      apply_rope, local_slice, rope_inv_freq, sink_attention, stacked_or_each, tp_of,
+                                      wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
@@ -223,16 +224,27 @@ class Attention(nn.Module):
         self.indexer = (Indexer(args, layer, numerics, mapping, comm, dtype) if self.index_source == layer
                         else None)
         self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
+        self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
 
     # -- shared pieces -------------------------------------------------------------------------------------------
-    def _query(self, x, positions, inv):
-        q_res = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_res).view(*x.shape[:2], self.n_local, self.head_dim)
+    def _query_kv(self, x, positions, inv):
+        """(q_res, q, window K = V rows) of x: wq_a and wkv read the same x, through one GEMM when
+        `wqkv_a_plugin` is bound."""
+        qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))
+        return *self._query(qa, positions, inv), self._window_kv(kva, positions, inv)
+
+    def _query(self, qa, positions, inv):
+        """(q_res, roped q [B,S,h,d]) from qa = wq_a · x."""
+        q_res = self.q_norm(qa)
+        q = self.wq_b(q_res).view(*qa.shape[:2], self.n_local, self.head_dim)
         return q_res, apply_rope(q, positions, inv)
 
     def window_kv(self, x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """K = V rows: FP8(RoPE(kv_norm(wkv · x))). x [B,S,D], positions [B,S] -> [B,S,head_dim]."""
-        return fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), positions, inv), WINDOW_KV_BLOCK)
+        return self._window_kv(self.wkv(x), positions, inv)
+
+    def _window_kv(self, kva, positions, inv):
+        return fake_quant_fp8(apply_rope(self.kv_norm(kva), positions, inv), WINDOW_KV_BLOCK)
 
     def _output(self, q, keys, allowed, positions, inv):
         o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
@@ -252,8 +264,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         pos, p0 = ctx.positions, ctx.start
         inv = layer_inv_freq(self.args, self.layer, x.device)
-        q_res, q = self._query(x, pos, inv)
-        kv = self.window_kv(x, pos, inv)
+        q_res, q, kv = self._query_kv(x, pos, inv)
         old = ctx.state.window[self.layer]
         keys = torch.cat([old.to(kv.dtype), kv], 1)
         kpos = torch.arange(p0 - old.shape[1], p0 + s, device=x.device)
@@ -305,8 +316,8 @@ class Attention(nn.Module):
         Non-causal inside the block: every block position sees every other and the valid context rows."""
         b, k, _ = x.shape
         inv = layer_inv_freq(self.args, self.layer, x.device)
-        _, q = self._query(x, frames, inv)
-        keys = torch.cat([ring.to(x.dtype), self.window_kv(x, frames, inv)], 1)
+        _, q, kv = self._query_kv(x, frames, inv)
+        keys = torch.cat([ring.to(x.dtype), kv], 1)
         allowed = torch.cat([ring_valid.unsqueeze(1).expand(b, k, -1),
                              torch.ones(b, k, k, dtype=torch.bool, device=x.device)], -1)
         return self._output(q, keys, allowed, frames, inv)

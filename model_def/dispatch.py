@@ -83,7 +83,10 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         lead = x.shape[:-1]
-        return ops().rmsnorm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(*lead, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:   # (strided rows, e.g. a stacked GEMM's column slice, are read in place)
+            rows = rows.contiguous()
+        return ops().rmsnorm(rows, weight, eps).view(*lead, x.shape[-1])
 
 
 class FusedSwiGLU(nn.Module):

@@ -248,6 +248,15 @@ def clipped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tens
     return F.silu(g) * u
 
 
+def stacked_or_each(plugin: nn.Module | None, x: torch.Tensor, linears: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """(lin(x) for lin in linears); with `plugin` (an `FP8Linear` over their row-stacked weights, bound by an engine
+    loader) one GEMM whose output is split into theirs: the same dot product per column, one launch and one weight
+    stream instead of several. The parts are column views of one [.., Σ N] tensor (rows not contiguous)."""
+    if plugin is None:
+        return tuple(lin(x) for lin in linears)
+    return plugin(x).to(linears[0].weight.dtype).split([lin.out_features for lin in linears], -1)
+
+
 class Expert(nn.Module):
     """Clipped SwiGLU FFN; the routing weight multiplies h before w2 (as the reference does)."""
 
@@ -262,11 +271,8 @@ class Expert(nn.Module):
         self.w13_plugin: nn.Module | None = None   # dispatch.FP8Linear over [w1; w3] (shared experts), likewise
 
     def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x·w1ᵀ, x·w3ᵀ); with `w13_plugin` one GEMM over the stacked weight (the same dot product per column: one
-        launch and one weight stream instead of two)."""
-        if self.w13_plugin is not None:
-            return self.w13_plugin(x).to(self.w1.weight.dtype).split(self.w1.out_features, -1)
-        return self.w1(x), self.w3(x)
+        """(x·w1ᵀ, x·w3ᵀ), through `w13_plugin` when bound."""
+        return stacked_or_each(self.w13_plugin, x, (self.w1, self.w3))
 
     def forward(self, x: torch.Tensor, route_weight: torch.Tensor | None = None) -> torch.Tensor:
         g, u = self._gate_up(x)

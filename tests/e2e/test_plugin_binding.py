@@ -64,11 +64,21 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"gemm", "gemm_w13", "moe", "mhc", "wo_a", "norm", "swiglu"}
+    assert kinds == {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "swiglu"}
     # a shared expert's w1 and w3 run as one GEMM over the stacked weight (their own linears keep no plugin)
     shexp = model.layers[0].ffn.shared_experts
     assert shexp.w13_plugin is not None and shexp.w1.plugin is None and shexp.w3.plugin is None
     assert shexp.w13_plugin.w_q.shape[0] == 2 * shexp.w1.out_features and shexp.w13_plugin.w_bf16 is not None
+    # so do an attention's wq_a and wkv; their own plugins are views of its rows (a draft stage runs wkv alone)
+    attn = model.mtp[0].attn
+    both = attn.wqkv_a_plugin
+    assert both.w_q.shape[0] == attn.wq_a.out_features + attn.wkv.out_features
+    assert attn.wkv.plugin.w_q.data_ptr() == both.w_q[attn.wq_a.out_features:].data_ptr()
+    assert attn.wq_a.plugin.w_s.data_ptr() == both.w_s.data_ptr() and attn.wkv.plugin.w_q.shape == attn.wkv.weight.shape
+    x = torch.randn(1, 3, args.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    with torch.no_grad():
+        alone, stacked = attn.wkv(x).float(), both(x)[..., attn.wq_a.out_features:].float()
+    assert (alone - stacked).norm() <= 1e-3 * stacked.norm()
     assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
     # FP8 linears with a BF16-cache copy in the hopper layout carry it (main layers, not the drafter)
     wq_b = model.layers[0].attn.wq_b.plugin
@@ -94,9 +104,11 @@ def test_site_parity_catches_a_wrong_binding(sm90_engine):
     lin.w_s.view(torch.uint8)[0] += 1                # first 32 rows' scales doubled: a scale-layout bug
     w13 = model.layers[1].ffn.shared_experts.w13_plugin
     w13.w_q.copy_(w13.w_q.roll(32, 0))               # w1 and w3 rows misaligned at the seam
+    qkv = model.layers[0].attn.wqkv_a_plugin
+    qkv.w_q.copy_(qkv.w_q.roll(32, 0))               # wq_a and wkv rows misaligned at the seam
     ids = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     bad = {r["site"] for r in site_parity(model, ids) if r["rel"] > 0.1}
-    assert {"layers.2.ffn", "layers.3.attn.wo_b", "layers.1.ffn.shared_experts.w13"} <= bad
+    assert {"layers.2.ffn", "layers.3.attn.wo_b", "layers.1.ffn.shared_experts.w13", "layers.0.attn.wqkv_a"} <= bad
 
 
 def test_reference_override_binds_nothing(sm90_engine):
@@ -117,7 +129,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
-        assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "moe", "mhc", "wo_a", "norm", "swiglu"}
+        assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "swiglu"}
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 
@@ -192,15 +204,17 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     """A V4 sm90 engine binds every FP8 linear (not WO-A's einsum weight) to the FP8 GEMM with 1×128 activation
     groups and its 128×128 scales expanded to the kernels' 32×32 format; each site matches the V4 reference, whose
     ragged widths (tiny-b: 96-wide inputs) quantize as one short group. A shared expert's w1 and w3 stack into one
-    GEMM when its width is whole 128-row blocks (128), else run apart (96). Every MoE binds the MoE plugin with 1×128
+    GEMM when its width is whole 128-row blocks (128), else run apart (96); so do an attention's wq_a and wkv (a
+    128-wide q_lora in the first case, 64 and 96 apart). Every MoE binds the MoE plugin with 1×128
     expert activations, the hash-routed layers too (their picks: `tid2eid` of the tokens). A wrong 128×128 scale is
     caught."""
     import dataclasses
     from dsflash.model_def.layers import Linear
     args = get_preset("v4", preset)
     if inter:
-        args = dataclasses.replace(args, moe_intermediate_size=inter)
+        args = dataclasses.replace(args, moe_intermediate_size=inter, q_lora_rank=inter)
     stacked = args.moe_intermediate_size % 128 == 0
+    qkv = args.q_lora_rank % 128 == 0
     hf = synthesize(args, tmp_path / "hf", seed=7)
     convert(hf, tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
     eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90", BuildConfig(),
@@ -224,7 +238,9 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     assert (w13 is not None and w13.act_block == 128) == stacked
     ids = torch.randint(0, model.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
-    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a", "moe_v4"} | ({"gemm_w13"} if stacked else set())
+    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a", "moe_v4"} | ({"gemm_w13"} if stacked else set()) | (
+        {"gemm_qkv_a"} if qkv else set())
+    assert all((b.attn.wqkv_a_plugin is not None) == qkv for b in [*model.layers, *model.mtp])
     assert {r["kind"] for r in rows} == kinds
     assert sum(r["kind"] == "moe_v4" for r in rows) == len(model.layers)
     assert all(b.hc_plugin is not None and not b.hc_plugin.overlap for b in [*model.layers, *model.mtp])

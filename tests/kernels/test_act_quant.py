@@ -66,13 +66,14 @@ def test_rmsnorm_act_quant(m, k):
 @pytest.mark.parametrize("k", [64, 512, 1280, 5120])
 def test_rmsnorm(m, k):
     """dsflash::rmsnorm (the norm plugin): the fused kernel's norm without the quantization, close to rmsnorm_ref and
-    to rmsnorm_act_quant's norm output, for BF16 and fp32 activations and a leading batch dim. (Not bit-equal to the
+    to rmsnorm_act_quant's norm output, for BF16 and fp32 activations, a leading batch dim and strided rows (a
+    stacked GEMM's column slice, which the norm plugin passes in place). (Not bit-equal to the
     latter: with the quantization compiled out the sum of squares may be reduced in another order, H200: last-bit
     differences at 4 of 16 shapes.)"""
     from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash)
     from dsflash.plugins.act_quant import rmsnorm_act_quant
     w = torch.rand(k, device=DEV) + 0.5
-    for x in (_x(m, k), _x(m, k).float(), _x(2 * m, k).view(2, m, k)):
+    for x in (_x(m, k), _x(m, k).float(), _x(2 * m, k).view(2, m, k), _x(m, k, stride_pad=96)):
         y = torch.ops.dsflash.rmsnorm(x, w, 1e-6)
         assert y.dtype == x.dtype and y.shape == x.shape
         for yr in (refs.rmsnorm_ref(x, w, 1e-6), rmsnorm_act_quant(x, w, 1e-6)[0]):

@@ -50,9 +50,9 @@ def test_m_buckets():
 
 
 # -- fp8_gemm: shapes, skip on machines without the target GPU, failures, the serve table --------------------------
-def _engine(family="v41", tp=1, arch="sm90", layout="hopper", ep=1, disable=(), **build) -> dict:
+def _engine(family="v41", tp=1, arch="sm90", layout="hopper", ep=1, disable=(), preset="tiny", **build) -> dict:
     """An engine.json dict as build/engine.py writes it (no weights needed)."""
-    args, mapping = get_preset(family, "tiny"), Mapping(world_size=tp, tp_size=tp, moe_ep_size=ep)
+    args, mapping = get_preset(family, preset), Mapping(world_size=tp, tp_size=tp, moe_ep_size=ep)
     return {"model": args.to_hf_dict(), "mapping": mapping.to_dict(),
             "build_config": BuildConfig(**build).__dict__, "arch": arch, "layout": layout,
             "expert_dtype": "fp4", **expert_widths(args, mapping, arch),
@@ -66,9 +66,9 @@ def test_dense_gemm_shapes_v41(tp):
                              a.index_head_dim, a.moe_intermediate_size)
     table = {e.name: e.shape for e in tensor_table(a)}
     engram, main = table["layers.1.engram.wkv.weight"], table["mtp.0.main_proj.weight"]  # replicated
-    layers = {(q, D), (H * d // tp, q), (d, D), (D, a.o_groups * a.o_lora_rank // tp), (2 * I // tp, D),
-              (D, I // tp), (ih * hd // tp, q), engram}  # wq_a, wq_b, wkv, wo_b, shared [w1; w3], w2, indexer wq_b,
-    # engram wkv
+    layers = {(q + d, D), (H * d // tp, q), (d, D), (D, a.o_groups * a.o_lora_rank // tp), (2 * I // tp, D),
+              (D, I // tp), (ih * hd // tp, q), engram}  # [wq_a; wkv], wq_b, wkv (a draft stage's window rows),
+    # wo_b, shared [w1; w3], w2, indexer wq_b, engram wkv
     shapes = dense_gemm_shapes(_engine(tp=tp))
     assert {(s["n"], s["k"]) for s in shapes} == layers | {main}
     assert len(shapes) == len(layers | {main})  # distinct
@@ -78,6 +78,8 @@ def test_dense_gemm_shapes_v41(tp):
     assert "layers.0.attn.wq_b.weight" in names and "mtp.0.attn.wq_b.weight" in names
     assert not any(n.endswith("attn.wo_a.weight") for n in names)  # run by the WO-A plugin, not as a linear
     assert not any(n.endswith("shared_experts.w3.weight") for n in names)   # stacked under w1's name
+    # wq_a runs only stacked with wkv
+    assert all(s["n"] == q + d for s in shapes if any(n.endswith("attn.wq_a.weight") for n in s["names"]))
     (wq_b,) = [s for s in shapes if "layers.0.attn.wq_b.weight" in s["names"]]
     assert (wq_b["n"], wq_b["k"]) == (H // tp * d, q)
 
@@ -86,7 +88,10 @@ def test_dense_gemm_shapes_other_layouts_and_families():
     v4 = dense_gemm_shapes(_engine(family="v4"))   # 1×128 / 128×128 groups, read in the kernels' 32×32 format
     a = get_preset("v4", "tiny")
     assert v4 and {s["group"] for s in v4} == {128} and not any(s["bf16_cache"] for s in v4)
-    assert (a.q_lora_rank, a.hidden_size) in {(s["n"], s["k"]) for s in v4}   # wq_a
+    assert (a.q_lora_rank, a.hidden_size) in {(s["n"], s["k"]) for s in v4}   # wq_a (64 rows: no 128-row block)
+    full = {(s["n"], s["k"]) for s in dense_gemm_shapes(_engine(family="v4", preset="full"))}
+    f = get_preset("v4", "full")
+    assert (f.q_lora_rank + f.head_dim, f.hidden_size) in full and (f.q_lora_rank, f.hidden_size) not in full
     assert not any(n.endswith("attn.wo_a.weight") for s in v4 for n in s["names"])   # a BF16 einsum in V4
     # its shared expert (64 wide) is no whole 128-row block: w1 and w3 run apart, one shape
     assert (a.moe_intermediate_size, a.hidden_size) in {(s["n"], s["k"]) for s in v4}
