@@ -13,8 +13,8 @@ weight (what `Expert.w13_plugin` saves), with the shared expert on a second side
 routed experts run (the `moe` plugin `mxfp4_overlap`), and that order again with the MoE's decode configs with
 programmatic dependent launch, or with the dense GEMMs' without it (what PDL does in a real decode chain; untuned
 buckets only: the default rules' configs), with the attention's wq_a and wkv as two GEMMs (what
-`Attention.wqkv_a_plugin` saves), or with the untuned decode GEMMs quantizing their activation in the kernel. Prints a
-table, writes `--out` JSON.
+`Attention.wqkv_a_plugin` saves), with the untuned decode GEMMs quantizing their activation in the kernel, or with
+q_norm and kv_norm as two launches (what `Attention.qkv_norm_plugin` saves). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
 """
@@ -29,7 +29,7 @@ import torch
 
 from dsflash.model_def import dispatch, get_preset
 from dsflash.model_def.csa2 import layer_inv_freq
-from dsflash.model_def.layers import LocalComm, Numerics, RMSNorm, stacked_or_each
+from dsflash.model_def.layers import LocalComm, Numerics, RMSNorm, norm_pair, stacked_or_each
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.v41 import Block
 
@@ -43,9 +43,10 @@ RERUNS = 4    # replays of each order compared against the first serial one
 # moe_pdl: shared_overlap with PDL on for the MoE decode configs (off by default); no_pdl: shared_overlap with the
 # dense FP8 GEMMs' default configs without it
 # separate_qkv_a: shared_overlap with the attention's wq_a and wkv as two GEMMs instead of one over the stacked weight;
-# qa_default: shared_overlap with the untuned Gluon decode GEMMs quantizing their activation in the kernel
+# qa_default: shared_overlap with the untuned Gluon decode GEMMs quantizing their activation in the kernel;
+# separate_norms: shared_overlap with q_norm and kv_norm as two launches instead of one
 ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "no_pdl",
-          "separate_qkv_a", "qa_default")
+          "separate_qkv_a", "qa_default", "separate_norms")
 
 
 def _fp8_linear(lin, g: torch.Generator) -> dispatch.FP8Linear:
@@ -91,6 +92,7 @@ def make_block(args, layer: int, seed: int) -> Block:
         sh.w13_plugin = stacked_fp8_linear([{"q": w.plugin.w_q, "s": w.plugin.w_s} for w in (sh.w1, sh.w3)])
         at = blk.attn
         at.wqkv_a_plugin = stacked_fp8_linear([{"q": w.plugin.w_q, "s": w.plugin.w_s} for w in (at.wq_a, at.wkv)])
+        at.qkv_norm_plugin = dispatch.FusedRMSNormPair()
         blk.attn.wo_a.weight.copy_(torch.randn(blk.attn.wo_a.weight.shape, device=DEV, generator=g)
                                    * blk.attn.wo_a.weight.shape[1] ** -0.5)
     return blk
@@ -105,8 +107,9 @@ def attention_projections(blk: Block, t: int):
 
     def attend(x):                                          # x [1, T, D]
         qa, kva = stacked_or_each(a.wqkv_a_plugin, x, (a.wq_a, a.wkv))
-        q = a.wq_b(a.q_norm(qa)).view(t, a.n_local, a.head_dim)
-        kv = a.kv_norm(kva).view(t, 1, a.head_dim)
+        q_res, kvn = norm_pair(a.qkv_norm_plugin, (a.q_norm, a.kv_norm), (qa, kva))
+        q = a.wq_b(q_res).view(t, a.n_local, a.head_dim)
+        kv = kvn.view(t, 1, a.head_dim)
         z = dispatch.ops().wo_a((q + kv).contiguous(), cos, sin, a.wo_a.weight)
         return a.wo_b(z.view(1, t, -1))
     return attend
@@ -224,6 +227,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
     rows = []
     w13 = [b.ffn.shared_experts.w13_plugin for b in blocks]   # (once: the separate_w13 order unbinds them)
     qkv_a = [b.attn.wqkv_a_plugin for b in blocks]             # (and separate_qkv_a these)
+    pair = dispatch.FusedRMSNormPair()
     for t in ts:
         g = torch.Generator(device=DEV).manual_seed(100 + t)
         X = (torch.randn(1, t, 4, args.hidden_size, device=DEV, generator=g) * 2).to(torch.bfloat16)
@@ -239,6 +243,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked
                     b.attn.wqkv_a_plugin = None if order == "separate_qkv_a" else stacked_qkv
+                    b.attn.qkv_norm_plugin = None if order == "separate_norms" else pair
                     b.ffn.plugin.overlap_shared = order not in ("serial", "overlap", "torch_swiglu", "separate_w13")
                     moe_config.default_moe_config = moe_rule_pdl if order == "moe_pdl" else moe_rule
                     tuning.default_config = {"no_pdl": gemm_rule_no_pdl, "qa_default": gemm_rule_qa}.get(order,
@@ -277,6 +282,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         sh = us["shared_overlap"] / n_layers
         moe_pdl, dense_no_pdl = us["moe_pdl"] / n_layers, us["no_pdl"] / n_layers
         sep_qkv, qa = us["separate_qkv_a"] / n_layers, us["qa_default"] / n_layers
+        sep_norms = us["separate_norms"] / n_layers
         tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
         row = {"T": t, "layers": n_layers, "serial_us_per_layer": round(ser, 2), "overlap_us_per_layer": round(ovl, 2),
                "saved_us_per_layer": round(ser - ovl, 2), "speedup": round(ser / ovl, 3),
@@ -291,7 +297,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                "no_pdl_us_per_layer": round(dense_no_pdl, 2),
                "cost_of_dense_without_pdl_us": round(dense_no_pdl - sh, 2),
                "separate_qkv_a_us_per_layer": round(sep_qkv, 2), "saved_by_stacked_qkv_a_us": round(sep_qkv - sh, 2),
-               "qa_default_us_per_layer": round(qa, 2), "saved_by_qa_default_us": round(sh - qa, 2)}
+               "qa_default_us_per_layer": round(qa, 2), "saved_by_qa_default_us": round(sh - qa, 2),
+               "separate_norms_us_per_layer": round(sep_norms, 2), "saved_by_norm_pair_us": round(sep_norms - sh, 2)}
         if kernels:
             row["kernels_per_layer"] = kernels
         rows.append(row)
@@ -299,7 +306,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
               f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}  shared expert overlapped {sh:.1f} "
               f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  dense GEMMs without PDL {dense_no_pdl:.1f}  "
-              f"wq_a and wkv apart {sep_qkv:.1f}  in-kernel activation quantization by default {qa:.1f}",
+              f"wq_a and wkv apart {sep_qkv:.1f}  in-kernel activation quantization by default {qa:.1f}  "
+              f"q_norm and kv_norm apart {sep_norms:.1f}",
               flush=True)
         if kernels:
             for k in kernels["serial"][:25]:

@@ -87,6 +87,10 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
             if isinstance(mod, RMSNorm) and mod.weight.shape[-1] % 32 == 0:   # the kernel's 32-wide blocks
                 mod.plugin = dispatch.FusedRMSNorm()
                 bound["norm"] += 1
+        for mod in model.modules():   # an attention's q_norm and kv_norm (both bound above): one launch
+            if isinstance(mod, ATTENTIONS) and mod.q_norm.plugin is not None and mod.kv_norm.plugin is not None \
+                    and mod.q_norm.eps == mod.kv_norm.eps:
+                mod.qkv_norm_plugin = dispatch.FusedRMSNormPair()
     if plugins.get("swiglu") == "fused":
         for mod in model.modules():
             if isinstance(mod, Expert) and mod.w1.quant == "fp8":   # shared experts (routed ones: the MoE plugin)
@@ -249,6 +253,10 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, Expert) and mod.w13_plugin is not None:   # the stacked w1|w3 GEMM
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("gemm_w13", n + ".w13", m, (a[0].detach().clone(),))))
+        elif isinstance(mod, dispatch.FusedRMSNormPair):   # (a, q_norm, b, kv_norm)
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, n=name: keep("norm_pair", n, m, (a[0].detach().clone(), a[1], a[2].detach().clone(),
+                                                               a[3]))))
         elif isinstance(mod, dispatch.FusedSwiGLU):   # the kernel alone: its expert's GEMMs are sites of their own
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("swiglu", n, m, (a[0].detach().clone(), a[1].detach().clone(), a[2]))))
@@ -288,7 +296,7 @@ def _reference_copy(mod):
     extra roundings (e.g. the expert intermediate, which the MoE kernel keeps in fp32)."""
     ref = copy.deepcopy(mod)
     for m in ref.modules():
-        for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin", "wqkv_a_plugin"):
+        for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin", "wqkv_a_plugin", "qkv_norm_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
         if getattr(m, "fused_wo_a", False):
@@ -336,6 +344,11 @@ def _replay(kind: str, mod, payload) -> float:
             if kind == "gemm_w13":
                 x = payload[0]
                 return _rel(mod.w13_plugin(x), torch.cat([ref.w1(x.float()), ref.w3(x.float())], -1))
+            if kind == "norm_pair":
+                a, norm_a, b, norm_b = payload
+                got = mod(a, norm_a, b, norm_b)
+                want = _reference_copy(norm_a)(a.float()), _reference_copy(norm_b)(b.float())
+                return max(_rel(got[0], want[0]), _rel(got[1], want[1]))
             if kind == "gemm_qkv_a":
                 x = payload[0]
                 return _rel(mod.wqkv_a_plugin(x), torch.cat([ref.wq_a(x.float()), ref.wkv(x.float())], -1))

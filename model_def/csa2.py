@@ -19,8 +19,8 @@ from torch import nn
 
 from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
-                                      apply_rope, local_slice, rope_inv_freq, sink_attention, stacked_or_each, tp_of,
-                                      wide)
+                                      apply_rope, local_slice, norm_pair, rope_inv_freq, sink_attention,
+                                      stacked_or_each, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
@@ -225,26 +225,24 @@ class Attention(nn.Module):
                         else None)
         self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
+        self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
 
     # -- shared pieces -------------------------------------------------------------------------------------------
     def _query_kv(self, x, positions, inv):
-        """(q_res, q, window K = V rows) of x: wq_a and wkv read the same x, through one GEMM when
-        `wqkv_a_plugin` is bound."""
+        """(q_res, roped q [B,S,h,d], window K = V rows) of x: wq_a and wkv read the same x, through one GEMM when
+        `wqkv_a_plugin` is bound, and q_norm and kv_norm run in one launch when `qkv_norm_plugin` is."""
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))
-        return *self._query(qa, positions, inv), self._window_kv(kva, positions, inv)
-
-    def _query(self, qa, positions, inv):
-        """(q_res, roped q [B,S,h,d]) from qa = wq_a · x."""
-        q_res = self.q_norm(qa)
-        q = self.wq_b(q_res).view(*qa.shape[:2], self.n_local, self.head_dim)
-        return q_res, apply_rope(q, positions, inv)
+        q_res, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))
+        q = self.wq_b(q_res).view(*x.shape[:2], self.n_local, self.head_dim)
+        return q_res, apply_rope(q, positions, inv), self._window_rows(kvn, positions, inv)
 
     def window_kv(self, x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """K = V rows: FP8(RoPE(kv_norm(wkv · x))). x [B,S,D], positions [B,S] -> [B,S,head_dim]."""
-        return self._window_kv(self.wkv(x), positions, inv)
+        return self._window_rows(self.kv_norm(self.wkv(x)), positions, inv)
 
-    def _window_kv(self, kva, positions, inv):
-        return fake_quant_fp8(apply_rope(self.kv_norm(kva), positions, inv), WINDOW_KV_BLOCK)
+    @staticmethod
+    def _window_rows(kvn, positions, inv):
+        return fake_quant_fp8(apply_rope(kvn, positions, inv), WINDOW_KV_BLOCK)
 
     def _output(self, q, keys, allowed, positions, inv):
         o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)

@@ -82,11 +82,26 @@ class FusedRMSNorm(nn.Module):
     in one launch. Holds no tensors: the module's own weight is passed in."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:   # (strided rows, e.g. a stacked GEMM's column slice, are read in place)
-            rows = rows.contiguous()
-        return ops().rmsnorm(rows, weight, eps).view(*lead, x.shape[-1])
+        return ops().rmsnorm(_rows_of(x), weight, eps).view(x.shape)
+
+
+class FusedRMSNormPair(nn.Module):
+    """Plugin of an attention's q_norm and kv_norm: `dsflash::rmsnorm_pair`, the two `FusedRMSNorm`s in one launch
+    (their inputs: the column slices of the stacked wq_a|wkv output, read in place). Holds no tensors: the norms'
+    own weights are passed in."""
+
+    def forward(self, a: torch.Tensor, norm_a: nn.Module, b: torch.Tensor, norm_b: nn.Module
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert norm_a.eps == norm_b.eps, (norm_a.eps, norm_b.eps)
+        ya, yb = ops().rmsnorm_pair(_rows_of(a), norm_a.weight, _rows_of(b), norm_b.weight, norm_a.eps)
+        return ya.view(a.shape), yb.view(b.shape)
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the norm kernels' rows: its leading dims flattened; strided rows (e.g. a stacked GEMM's column
+    slice) kept in place, a non-contiguous last dim copied."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class FusedSwiGLU(nn.Module):

@@ -257,6 +257,15 @@ def stacked_or_each(plugin: nn.Module | None, x: torch.Tensor, linears: tuple[Li
     return plugin(x).to(linears[0].weight.dtype).split([lin.out_features for lin in linears], -1)
 
 
+def norm_pair(plugin: nn.Module | None, norms: tuple[RMSNorm, RMSNorm], xs: tuple[torch.Tensor, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norms[0](xs[0]), norms[1](xs[1])); with `plugin` (`dispatch.FusedRMSNormPair`, bound by an engine loader) both
+    in one launch."""
+    if plugin is None:
+        return norms[0](xs[0]), norms[1](xs[1])
+    return plugin(xs[0], norms[0], xs[1], norms[1])
+
+
 class Expert(nn.Module):
     """Clipped SwiGLU FFN; the routing weight multiplies h before w2 (as the reference does)."""
 

@@ -19,7 +19,7 @@ from dsflash.model_def import dispatch
 from dsflash.model_def.config import V4Args
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
-                                      rope_inv_freq, sink_attention, sqrtsoftplus, stacked_or_each, tp_of)
+                                      norm_pair, rope_inv_freq, sink_attention, sqrtsoftplus, stacked_or_each, tp_of)
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
@@ -291,6 +291,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.fused_wo_a = False   # set by an engine loader: `_output` runs the WO-A plugin
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
+        self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
         self.compressor = Compressor(args, self.ratio, d, numerics, "kv", dtype) if self.ratio else None
         self.indexer = Indexer(args, numerics, mapping, comm, dtype) if self.ratio == OVERLAP_RATIO else None
         if self.ratio:
@@ -311,10 +312,10 @@ class Attention(nn.Module):
         W, f, dev = self.window, self.inv_freq, x.device
         pos = pos0 + torch.arange(S, device=dev)
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
-        qr = self.q_norm(qa)
+        qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,h,d]
         q = apply_rope(rms_norm(q, self.eps).to(q.dtype), pos.expand(B, S), f)  # per-head RMS, no weight
-        kv = apply_rope(self.kv_norm(kva), pos.expand(B, S), f)  # [B,S,d]
+        kv = apply_rope(kvn, pos.expand(B, S), f)  # [B,S,d]
         if self.numerics.deploy:
             kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
         # window keys: the ring (positions < pos0, slot = pos % W) then the new rows

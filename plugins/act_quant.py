@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
-    ACT_BLOCKS, act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, rmsnorm_ref, E4M3, E8M0, QBLOCK)
+    ACT_BLOCKS, act_quant_dequant_ref, act_quant_ref, rmsnorm_act_quant_ref, rmsnorm_pair_ref, rmsnorm_ref, E4M3, E8M0,
+    QBLOCK)
 from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 
@@ -56,6 +57,44 @@ def _rsqrt_mean(ss, n, eps):
 
 
 @triton.jit
+def _row_rsqrt_mean(x_row, K, eps, CHUNK_G: tl.constexpr):
+    """RMSNorm's 1/sqrt(mean(x²) + eps) of a row of K, in [CHUNK_G, 32] chunks (fp32 squares)."""
+    g = tl.arange(0, CHUNK_G)
+    j = tl.arange(0, 32)
+    acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
+    for k0 in range(0, K, CHUNK_G * 32):
+        offs = k0 + g[:, None] * 32 + j[None, :]
+        xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        acc += xv * xv
+    return _rsqrt_mean(tl.sum(tl.sum(acc, axis=1), axis=0), K, eps)
+
+
+@triton.jit
+def _rmsnorm_row(x_row, w_ptr, y_row, K, eps, CHUNK_G: tl.constexpr):
+    """y_row = RMSNorm(x_row) · w rounded to x's dtype, as `_act_quant_kernel` computes its norm output."""
+    r = _row_rsqrt_mean(x_row, K, eps, CHUNK_G)
+    g = tl.arange(0, CHUNK_G)
+    j = tl.arange(0, 32)
+    for k0 in range(0, K, CHUNK_G * 32):
+        offs = k0 + g[:, None] * 32 + j[None, :]
+        mask = offs < K
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + offs, ((v * r) * wv).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_pair_kernel(a_ptr, wa_ptr, ya_ptr, b_ptr, wb_ptr, yb_ptr, KA, KB, stride_a, stride_b, eps,
+                         CHUNK_G: tl.constexpr):
+    """Program (row, 0) normalizes row `row` of a, (row, 1) the same row of b: two RMSNorms in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rmsnorm_row(a_ptr + row * stride_a, wa_ptr, ya_ptr + row * KA, KA, eps, CHUNK_G)
+    else:
+        _rmsnorm_row(b_ptr + row * stride_b, wb_ptr, yb_ptr + row * KB, KB, eps, CHUNK_G)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, dq_ptr,
     K,
@@ -70,12 +109,7 @@ def _act_quant_kernel(
     x_row = x_ptr + row * stride_x
     r = 1.0
     if HAS_NORM:
-        acc = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
-        for k0 in range(0, K, CHUNK_G * 32):
-            offs = k0 + g[:, None] * 32 + j[None, :]
-            xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            acc += xv * xv
-        r = _rsqrt_mean(tl.sum(tl.sum(acc, axis=1), axis=0), K, eps)
+        r = _row_rsqrt_mean(x_row, K, eps, CHUNK_G)
     for k0 in range(0, K, CHUNK_G * 32):
         offs = k0 + g[:, None] * 32 + j[None, :]
         mask = offs < K
@@ -170,6 +204,26 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (weight [K] fp32|bf16) over the last dim in fp32, rounded to x.dtype: one launch (the reference is
     about six elementwise and reduction kernels)."""
     return _launch(x, weight, eps, True, False, False, "fp32")[0]
+
+
+def rmsnorm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(a)·wa, RMSNorm(b)·wb) in one launch, each as `rmsnorm` computes it (fp32, rounded to the input dtype):
+    an attention's q_norm and kv_norm over the two column slices of the stacked wq_a|wkv output. a [..., KA] and
+    b [..., KB] share their leading dims and dtype; rows may be strided (last dim contiguous)."""
+    a2, b2 = _rows(a), _rows(b)
+    (m, ka), kb = a2.shape, b2.shape[1]
+    assert b2.shape[0] == m and a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype, \
+        (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype)
+    assert wa.shape == (ka,) and wb.shape == (kb,) and wa.is_contiguous() and wb.is_contiguous(), \
+        (tuple(wa.shape), tuple(wb.shape))
+    ya = torch.empty((m, ka), dtype=a.dtype, device=a.device)
+    yb = torch.empty((m, kb), dtype=b.dtype, device=b.device)
+    if m > 0:
+        cg, warps = _chunk(max(ka, kb), QBLOCK)
+        _rmsnorm_pair_kernel[(m, 2)](a2, wa, ya, b2, wb, yb, ka, kb, a2.stride(0), b2.stride(0), float(eps),
+                                     CHUNK_G=cg, num_warps=warps)
+    return ya.reshape(a.shape), yb.reshape(b.shape)
 
 
 def act_quant_dequant(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,

@@ -97,6 +97,12 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (y * weight.float()).to(x.dtype)
 
 
+def rmsnorm_pair_ref(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two RMSNorms (`rmsnorm_ref`), the pair `rmsnorm_pair` runs in one launch."""
+    return rmsnorm_ref(a, wa, eps), rmsnorm_ref(b, wb, eps)
+
+
 def act_quant_dequant_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,
                           block: int = QBLOCK) -> torch.Tensor:
     """(optional RMSNorm ->) FP8 1×`block` quantize -> dequantize to x.dtype (the BF16-cache GEMM's activation)."""

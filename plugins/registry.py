@@ -71,6 +71,20 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("dsflash::rmsnorm_pair", mutates_args=())
+def rmsnorm_pair(a: Tensor, wa: Tensor, b: Tensor, wb: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Two RMSNorms (e.g. q_norm and kv_norm over the stacked wq_a|wkv output's column slices) in one launch."""
+    if a.is_cuda:
+        from dsflash.plugins.act_quant import rmsnorm_pair as k
+        return k(a, wa, b, wb, eps)
+    return refs.rmsnorm_pair_ref(a, wa, b, wb, eps)
+
+
+@rmsnorm_pair.register_fake
+def _(a, wa, b, wb, eps):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
 @torch.library.custom_op("dsflash::clipped_swiglu", mutates_args=())
 def clipped_swiglu(g: Tensor, u: Tensor, limit: float) -> Tensor:
     """The shared expert's silu(min(g, L)) · clamp(u, ±L) in fp32, rounded to BF16 (deploy numerics, before w2)."""
@@ -333,6 +347,6 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "clipped_swiglu", "act_quant_dequant", "fp8_gemm",
-       "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
+OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "rmsnorm_pair", "clipped_swiglu", "act_quant_dequant",
+       "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
        "hc_post_pre_quant", "moe_router", "moe", "wo_a")

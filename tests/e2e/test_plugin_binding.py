@@ -20,6 +20,9 @@ from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
 
+# the site kinds of a V4.1 sm90 engine (build.bind.site_parity)
+V41_SITE_KINDS = {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "norm_pair", "swiglu"}
+
 
 @pytest.fixture(scope="module")
 def hopper_ckpt(tmp_path_factory):
@@ -64,12 +67,14 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "swiglu"}
+    assert kinds == V41_SITE_KINDS
     # a shared expert's w1 and w3 run as one GEMM over the stacked weight (their own linears keep no plugin)
     shexp = model.layers[0].ffn.shared_experts
     assert shexp.w13_plugin is not None and shexp.w1.plugin is None and shexp.w3.plugin is None
     assert shexp.w13_plugin.w_q.shape[0] == 2 * shexp.w1.out_features and shexp.w13_plugin.w_bf16 is not None
-    # so do an attention's wq_a and wkv; their own plugins are views of its rows (a draft stage runs wkv alone)
+    # so do an attention's wq_a and wkv; their own plugins are views of its rows (a draft stage runs wkv alone); its
+    # q_norm and kv_norm run in one launch
+    assert all(b.attn.qkv_norm_plugin is not None for b in [*model.layers, *model.mtp])
     attn = model.mtp[0].attn
     both = attn.wqkv_a_plugin
     assert both.w_q.shape[0] == attn.wq_a.out_features + attn.wkv.out_features
@@ -129,7 +134,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
-        assert {r["kind"] for r in rows} == {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "swiglu"}
+        assert {r["kind"] for r in rows} == V41_SITE_KINDS
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 
@@ -238,8 +243,8 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     assert (w13 is not None and w13.act_block == 128) == stacked
     ids = torch.randint(0, model.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
-    kinds = {"gemm", "norm", "swiglu", "mhc_v4", "wo_a", "moe_v4"} | ({"gemm_w13"} if stacked else set()) | (
-        {"gemm_qkv_a"} if qkv else set())
+    kinds = ({"gemm", "norm", "norm_pair", "swiglu", "mhc_v4", "wo_a", "moe_v4"} | ({"gemm_w13"} if stacked else set())
+             | ({"gemm_qkv_a"} if qkv else set()))
     assert all((b.attn.wqkv_a_plugin is not None) == qkv for b in [*model.layers, *model.mtp])
     assert {r["kind"] for r in rows} == kinds
     assert sum(r["kind"] == "moe_v4" for r in rows) == len(model.layers)

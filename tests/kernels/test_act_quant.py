@@ -80,6 +80,31 @@ def test_rmsnorm(m, k):
             assert refs.rel_err(y, yr) < 1e-5 if x.dtype == torch.float32 else _mismatch(y, yr) < 1e-2   # last bits
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 257])
+@pytest.mark.parametrize("ka,kb", [(1280, 512), (64, 128), (96, 4096), (1024, 512)])
+def test_rmsnorm_pair(m, ka, kb):
+    """dsflash::rmsnorm_pair (an attention's q_norm and kv_norm in one launch) on the two column slices of one
+    stacked row, as the wq_a|wkv GEMM writes them: each part as `dsflash::rmsnorm` computes it alone (last bits at
+    most) and close to rmsnorm_ref, BF16 and fp32; the same from a CUDA-graph replay."""
+    from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash)
+    wa, wb = torch.rand(ka, device=DEV) + 0.5, torch.rand(kb, device=DEV) + 0.5
+    for stacked in (_x(m, ka + kb), _x(m, ka + kb).float()):
+        a, b = stacked.split([ka, kb], -1)
+        ya, yb = torch.ops.dsflash.rmsnorm_pair(a, wa, b, wb, 1e-6)
+        assert ya.shape == a.shape and yb.shape == b.shape and ya.dtype == yb.dtype == a.dtype
+        for y, x, w in ((ya, a, wa), (yb, b, wb)):
+            for yr in (torch.ops.dsflash.rmsnorm(x, w, 1e-6), refs.rmsnorm_ref(x, w, 1e-6)):
+                assert refs.rel_err(y, yr) < 1e-5 if x.dtype == torch.float32 else _mismatch(y, yr) < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ga, gb = torch.ops.dsflash.rmsnorm_pair(a, wa, b, wb, 1e-6)
+        stacked.copy_(stacked.flip(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.ops.dsflash.rmsnorm_pair(a, wa, b, wb, 1e-6)
+        assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
+
+
 @pytest.mark.parametrize("m", [1, 3, 257])
 @pytest.mark.parametrize("k", [96, 352, 1024, 4096])
 @pytest.mark.parametrize("fmt", ["fp32", "e8m0"])
