@@ -79,7 +79,8 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     both = attn.wqkv_a_plugin
     assert both.w_q.shape[0] == attn.wq_a.out_features + attn.wkv.out_features
     assert attn.wkv.plugin.w_q.data_ptr() == both.w_q[attn.wq_a.out_features:].data_ptr()
-    assert attn.wq_a.plugin.w_s.data_ptr() == both.w_s.data_ptr() and attn.wkv.plugin.w_q.shape == attn.wkv.weight.shape
+    assert attn.wq_a.plugin.w_s.data_ptr() == both.w_s.data_ptr()
+    assert attn.wkv.plugin.w_q.shape == attn.wkv.weight.shape
     x = torch.randn(1, 3, args.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     with torch.no_grad():
         alone, stacked = attn.wkv(x).float(), both(x)[..., attn.wq_a.out_features:].float()

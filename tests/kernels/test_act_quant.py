@@ -67,9 +67,9 @@ def test_rmsnorm_act_quant(m, k):
 def test_rmsnorm(m, k):
     """dsflash::rmsnorm (the norm plugin): the fused kernel's norm without the quantization, close to rmsnorm_ref and
     to rmsnorm_act_quant's norm output, for BF16 and fp32 activations, a leading batch dim and strided rows (a
-    stacked GEMM's column slice, which the norm plugin passes in place). (Not bit-equal to the
-    latter: with the quantization compiled out the sum of squares may be reduced in another order, H200: last-bit
-    differences at 4 of 16 shapes.)"""
+    stacked GEMM's column slice, which the norm plugin passes in place). (Not bit-equal to the latter: with the
+    quantization compiled out the sum of squares may be reduced in another order, H200: last-bit differences at 4
+    of 16 shapes.)"""
     from dsflash.plugins import registry  # noqa: F401  (torch.ops.dsflash)
     from dsflash.plugins.act_quant import rmsnorm_act_quant
     w = torch.rand(k, device=DEV) + 0.5
