@@ -135,7 +135,7 @@ def _row(op, shape, m, us, ref_us, nbytes, flops, ceil, err, **extra) -> dict:
 
 # -- sections ---------------------------------------------------------------------------------------------------------
 def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
-    from dsflash.plugins.act_quant import act_quant, rmsnorm, rmsnorm_act_quant
+    from dsflash.plugins.act_quant import act_quant, rmsnorm, rmsnorm_act_quant, rmsnorm_pair
     rows = []
     for name, k, norm in (("act_quant", HIDDEN, False), ("act_quant", 8192, False), ("rmsnorm_act_quant", 1280, True)):
         w = torch.rand(k, device=DEV) + 0.5
@@ -164,6 +164,22 @@ def bench_act(ceil: dict, ms: list[int]) -> list[dict]:
             us, how = graph_time_us([lambda x=x: rmsnorm(x, w, 1e-6) for x in xs])
             ref_us, _ = graph_time_us([lambda x=x: refs.rmsnorm_ref(x, w, 1e-6) for x in xs])
             rows.append(_row("rmsnorm", f"{m}x{k}", m, us, ref_us, nbytes, 0, ceil, err, timing=how))
+    # q_norm and kv_norm in one launch, on the two column slices of the stacked wq_a|wkv output, against the two
+    # launches of the norm plugin (`two_launches_us`) and the torch reference
+    ka, kb = 1280, 512
+    wa, wb = torch.rand(ka, device=DEV) + 0.5, torch.rand(kb, device=DEV) + 0.5
+    for m in ms:
+        nbytes = 2 * m * (ka + kb) * 2 + (ka + kb) * 4
+        xs = [(torch.randn(m, ka + kb, device=DEV) * 3).to(torch.bfloat16).split([ka, kb], -1)
+              for _ in range(input_sets(nbytes, 16))]
+        ya, yb = rmsnorm_pair(xs[0][0], wa, xs[0][1], wb, 1e-6)
+        err = max(refs.rel_err(ya, refs.rmsnorm_ref(xs[0][0], wa, 1e-6)),
+                  refs.rel_err(yb, refs.rmsnorm_ref(xs[0][1], wb, 1e-6)))
+        us, how = graph_time_us([lambda a=a, b=b: rmsnorm_pair(a, wa, b, wb, 1e-6) for a, b in xs])
+        two_us, _ = graph_time_us([lambda a=a, b=b: (rmsnorm(a, wa, 1e-6), rmsnorm(b, wb, 1e-6)) for a, b in xs])
+        ref_us, _ = graph_time_us([lambda a=a, b=b: refs.rmsnorm_pair_ref(a, wa, b, wb, 1e-6) for a, b in xs])
+        rows.append(_row("rmsnorm_pair", f"{m}x({ka}+{kb})", m, us, ref_us, nbytes, 0, ceil, err, timing=how,
+                         two_launches_us=two_us))
     return rows
 
 
