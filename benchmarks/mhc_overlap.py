@@ -226,8 +226,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
     gemm_rule_qa = _with_quant_in_kernel(gemm_rule)
     rows = []
     w13 = [b.ffn.shared_experts.w13_plugin for b in blocks]   # (once: the separate_w13 order unbinds them)
-    qkv_a = [b.attn.wqkv_a_plugin for b in blocks]             # (and separate_qkv_a these)
-    pair = dispatch.FusedRMSNormPair()
+    qkv_a = [b.attn.wqkv_a_plugin for b in blocks]             # (and separate_qkv_a these,
+    norms = [b.attn.qkv_norm_plugin for b in blocks]           # separate_norms these)
     for t in ts:
         g = torch.Generator(device=DEV).manual_seed(100 + t)
         X = (torch.randn(1, t, 4, args.hidden_size, device=DEV, generator=g) * 2).to(torch.bfloat16)
@@ -238,7 +238,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         def step(order: str):
             def fn():
                 Y, p = X, pre
-                for b, att, stacked, stacked_qkv in zip(blocks, attends, w13, qkv_a):
+                for b, att, stacked, stacked_qkv, pair in zip(blocks, attends, w13, qkv_a, norms):
                     b.hc_plugin.overlap = order != "serial"
                     b.ffn.shared_experts.act_plugin = None if order == "torch_swiglu" else dispatch.FusedSwiGLU()
                     b.ffn.shared_experts.w13_plugin = None if order == "separate_w13" else stacked

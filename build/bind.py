@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from dsflash.build.gemm_shapes import NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks
+from dsflash.build.gemm_shapes import GROUP32_BLOCK, NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks
 from dsflash.model_def import dispatch, v4
 from dsflash.model_def.csa2 import Attention
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
@@ -166,9 +166,11 @@ def _bind_stacked_qkv_a(model, kept, block: int) -> set[str]:
 
 
 def _row_slice(plugin: dispatch.FP8Linear, lo: int, hi: int) -> dispatch.FP8Linear:
-    """The `FP8Linear` of rows [lo, hi) of a stacked one (lo, hi multiples of 32), sharing its storage."""
+    """The `FP8Linear` of rows [lo, hi) of a stacked one (lo a multiple of its 32-row scale blocks), sharing its
+    storage."""
+    b = GROUP32_BLOCK
     bf16 = None if plugin.w_bf16 is None else plugin.w_bf16[lo:hi]
-    return dispatch.FP8Linear(plugin.w_q[lo:hi], plugin.w_s[lo // 32:-(-hi // 32)], bf16, plugin.act_block)
+    return dispatch.FP8Linear(plugin.w_q[lo:hi], plugin.w_s[lo // b:-(-hi // b)], bf16, plugin.act_block)
 
 
 def fused_hc(block, overlap: bool) -> dispatch.FusedHC:

@@ -213,7 +213,7 @@ def rmsnorm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.T
     b [..., KB] share their leading dims and dtype; rows may be strided (last dim contiguous)."""
     a2, b2 = _rows(a), _rows(b)
     (m, ka), kb = a2.shape, b2.shape[1]
-    assert b2.shape[0] == m and a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype, \
+    assert a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype, \
         (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype)
     assert wa.shape == (ka,) and wb.shape == (kb,) and wa.is_contiguous() and wb.is_contiguous(), \
         (tuple(wa.shape), tuple(wb.shape))
