@@ -67,15 +67,20 @@ SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_
                "gemm_v4": ("v4_fp8_gemm", "v4_bf16_cache_gemm", "v4_scaled_mm"), "moe_v4": ("v4_moe",)}
 
 
-def replaced_by_run(row: dict, sections: list[str], ms: list[int], moe_only: set[str] | None = None) -> bool:
-    """Whether a row of an earlier results file is one a `--merge` run of these sections, token counts and (MoE)
-    shapes replaces: its op belongs to a section run, its M was run, and, with `--moe-shapes`, an MoE row's shape
-    ("tp1 ...", "ep8 ...") was among them (the router's row, timed with TP1, counts as TP1)."""
+def replaced_by_run(row: dict, sections: list[str], ms: list[int], moe_only: set[str] | None = None,
+                    gemm_only: set[str] | None = None) -> bool:
+    """Whether a row of an earlier results file is one a `--merge` run of these sections, token counts and shapes
+    replaces: its op belongs to a section run, its M was run, and, with `--moe-shapes`, an MoE row's shape
+    ("tp1 ...", "ep8 ...") was among them (the router's row, timed with TP1, counts as TP1); with `--gemm-shapes`, a
+    GEMM row's shape ("wq_b[tp1] ...")."""
     if row.get("M") not in ms or not any(row["op"].startswith(p) for sec in sections for p in SECTION_OPS[sec]):
         return False
-    if moe_only and row["op"].removeprefix("v4_").startswith("moe"):
-        name = str(row.get("shape", "")).split(" ")[0]
+    name = str(row.get("shape", "")).split(" ")[0]
+    op = row["op"].removeprefix("v4_")
+    if moe_only and op.startswith("moe"):
         return (name if name in ("tp1", "tp8", "ep8") else "tp1") in moe_only
+    if gemm_only and op.startswith(SECTION_OPS["gemm"]):
+        return name in gemm_only
     return True
 
 
@@ -280,20 +285,20 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
         for name, n, k, tp in shapes:
             if only and f"{name}[{tp}]" not in only:
                 continue
-            if time.time() > deadline:
-                rows.append({"op": pre + "fp8_gemm", "shape": f"{name}:{n}x{k}", "M": m, "error": "skipped: time budget"})
-                continue
             shape = f"{name}[{tp}] {n}x{k}"
+            if time.time() > deadline:
+                rows.append({"op": pre + "fp8_gemm", "shape": shape, "M": m, "error": "skipped: time budget"})
+                continue
             try:
                 nb_w = n * k + (n // 32) * (k // 32)
-                nbytes = nb_w + m * k * (1 + 4 / 32) + m * n * 2
+                nbytes = nb_w + m * k * (1 + 1 / 32) + m * n * 2
                 n_sets = input_sets(nb_w + m * k)
                 ws = []
                 for _ in range(n_sets):
                     w_q, w_s = refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV) * 0.02, group)
                     ws.append((w_q, w_s))
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
-                acts = [refs.act_quant_ref(x, block=group) for x in xs]
+                acts = [refs.act_quant_ref(x, "e8m0", block=group) for x in xs]   # as fp8_linear quantizes
                 acts16 = [(refs.codes16_ref(q), s) for q, s in acts]   # what acc16 GEMVs read
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
                 flops = 2 * m * n * k
@@ -652,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these shapes of the moe / moe_v4 sections: tp1, tp8, ep8 (default: all); with --merge the "
                          "other shapes' rows are kept")
     ap.add_argument("--gemm-shapes", default="",
-                    help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]' (default: all of GEMM_SHAPES)")
+                    help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]' (default: all of GEMM_SHAPES); with "
+                         "--merge the other shapes' rows are kept")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench-kernels needs a CUDA GPU")
@@ -670,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sections = args.sections.split(",")
     moe_only = {v for v in args.moe_shapes.split(",") if v} or None
+    gemm_only = {v for v in args.gemm_shapes.split(",") if v} or None
     previous = None
     if args.merge and args.out and os.path.exists(args.out):
         with open(args.out) as f:
@@ -682,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = result
         if previous is not None:   # keep the earlier run's rows of the sections not run now (and its ceilings)
             doc = dict(previous)
-            doc["rows"] = [r for r in previous["rows"] if not replaced_by_run(r, sections, ms, moe_only)] \
+            doc["rows"] = [r for r in previous["rows"] if not replaced_by_run(r, sections, ms, moe_only, gemm_only)] \
                 + result["rows"]
             doc["targets"] = targets(doc["rows"])
             doc["merged_runs"] = previous.get("merged_runs", []) + [
@@ -712,11 +719,10 @@ def main(argv: list[str] | None = None) -> int:
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
             elif sec == "gemm_v4":
-                only = {v for v in args.gemm_shapes.split(",") if v} or None
-                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, only, GEMM_V4_SHAPES, 128)
+                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, gemm_only, GEMM_V4_SHAPES,
+                                             128)
             else:
-                only = {v for v in args.gemm_shapes.split(",") if v} or None
-                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, only)
+                result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, gemm_only)
         except Exception as e:
             result["rows"].append({"op": sec, "shape": "-", "M": 0, "error": f"{type(e).__name__}: {e}",
                                    "trace": traceback.format_exc()[-3000:]})

@@ -222,10 +222,22 @@ def _fp8_gemm_g32_gluon_kernel(a_desc, b_desc, out_ptr, as_ptr, ws_ptr, M, N, K,
 
 
 @gluon.jit
+def _scale_words(base, kb, n_kb, ok, BOXES: gl.constexpr):
+    """The e8m0 scales of BOXES 128-K boxes from K block kb (kb % 4 == 0), one 32-bit word (4 K blocks) per box and
+    per pointer of `base` (0 past K or where not ok)."""
+    words = ()
+    for b in gl.static_range(BOXES):
+        words = words + (gl.load((base + kb + b * _KB).to(gl.pointer_type(gl.int32)),
+                                 mask=ok & (kb + b * _KB < n_kb), other=0), )
+    return words
+
+
+@gluon.jit
 def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, M, N, K,
                                       stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
                                       NUM_STAGES: gl.constexpr, PDL: gl.constexpr, QUANT_A: gl.constexpr,
-                                      Q_LAYOUT: gl.constexpr, A128: gl.constexpr, num_warps: gl.constexpr):
+                                      Q_LAYOUT: gl.constexpr, A128: gl.constexpr, A_WORDS: gl.constexpr,
+                                      PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
     A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
     issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA.
@@ -233,7 +245,12 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     `griddepcontrol.wait`, the tokens after it; nothing the previous kernel writes is read or written before.
     QUANT_A: a_desc is the bf16 activation itself; each stage's token boxes are quantized per 1×32 in the kernel
     (`_quantize_tokens`, into e4m3 buffers of layout Q_LAYOUT; A128: per 1×128, V4) and as_ptr is unused: one launch
-    per linear."""
+    per linear.
+    Scales: the weight's, and the activation's when e8m0 in 4-byte aligned rows (A_WORDS), come as one 32-bit word
+    (4 K blocks) per box and row or token, loaded before the stage's MMAs are issued; with PREFETCH (slices of more
+    than one stage) a stage ahead, the first stage's weight words before `griddepcontrol.wait`. (A scale load per
+    token and K block in the fold cost M = 8 up to 1.2 µs over M = 1 on the 24 MB shared w13: benchmarks/README.md,
+    session 17.)"""
     BP: gl.constexpr = w_desc.block_type.shape[0]
     BQ: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -260,6 +277,15 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     per = gl.cdiv(n_st, SPLIT)
     st0 = pid_k * per
     n_my = gl.minimum(st0 + per, n_st) - st0
+    rows = off_n + gl.arange(0, BP, layout=rows_l)
+    rows_ok = rows < N
+    toks = gl.arange(0, BQ, layout=cols_l)
+    toks_ok = toks < M
+    sw_row = ws_ptr + (rows // 32) * stride_ws
+    sa_col = as_ptr + toks * stride_as
+    n_kb = K // 32
+    if PREFETCH:
+        w_next = _scale_words(sw_row, st0 * BOXES * _KB, n_kb, rows_ok, BOXES)
     # every slot is filled up front: a slot is refilled only after its own stage's MMAs have completed, so a slice
     # of <= NUM_STAGES stages (the usual decode split) is requested in one go, with no second round trip
     if PDL:   # the weights do not depend on the previous kernel: request them before waiting for it
@@ -275,13 +301,8 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
             _load_stage(w_desc, a_desc, w_bufs, t_bufs, ready, s, off_n, 0, (st0 + s) * BOXES * BK, s < n_my,
                         BOXES)
 
-    rows = off_n + gl.arange(0, BP, layout=rows_l)
-    rows_ok = rows < N
-    toks = gl.arange(0, BQ, layout=cols_l)
-    toks_ok = toks < M
-    sw_row = ws_ptr + (rows // 32) * stride_ws
-    sa_col = as_ptr + toks * stride_as
-    n_kb = K // 32
+    if PREFETCH and A_WORDS:
+        a_next = _scale_words(sa_col, st0 * BOXES * _KB, n_kb, toks_ok, BOXES)
     zero = gl.zeros([BP, BQ], gl.float32, mma)
     acc = gl.zeros([BP, BQ], gl.float32, mma)
     for i in range(n_my):
@@ -290,6 +311,17 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         kb0 = (st0 + i) * BOXES * _KB
         if QUANT_A:
             sa_q = _quantize_tokens(t_bufs, a_bufs, st, BOXES, cols_l, num_warps, A128)
+        if PREFETCH:   # this stage's words came a stage ago; request the next stage's (none past the slice)
+            w_words = w_next
+            more = i + 1 < n_my
+            w_next = _scale_words(sw_row, kb0 + BOXES * _KB, n_kb, rows_ok & more, BOXES)
+            if A_WORDS:
+                a_words = a_next
+                a_next = _scale_words(sa_col, kb0 + BOXES * _KB, n_kb, toks_ok & more, BOXES)
+        else:
+            w_words = _scale_words(sw_row, kb0, n_kb, rows_ok, BOXES)
+            if A_WORDS:
+                a_words = _scale_words(sa_col, kb0, n_kb, toks_ok, BOXES)
         parts = ()
         for b in gl.static_range(BOXES):
             w_s = w_bufs.index(st * BOXES + b)
@@ -300,14 +332,14 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
                                                zero, use_acc=False, is_async=True), )
         parts = warpgroup_mma_wait(0, deps=parts)
         for b in gl.static_range(BOXES):
-            words = gl.load((sw_row + kb0 + b * _KB).to(gl.pointer_type(gl.int32)),
-                            mask=rows_ok & (kb0 + b * _KB < n_kb), other=0)
             for kk in gl.static_range(_KB):
-                kb = kb0 + b * _KB + kk
-                sw = e8m0_to_f32((words >> (8 * kk)) & 255)
+                sw = e8m0_to_f32((w_words[b] >> (8 * kk)) & 255)
                 if QUANT_A:
                     sa = sa_q[b * _KB + kk]
+                elif A_WORDS:
+                    sa = e8m0_to_f32((a_words[b] >> (8 * kk)) & 255)
                 else:
+                    kb = kb0 + b * _KB + kk
                     sa = gl.load(sa_col + kb, mask=toks_ok & (kb < n_kb), other=0)
                     if AS_E8M0:
                         sa = e8m0_to_f32(sa)
@@ -400,13 +432,15 @@ def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Te
                 gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv))
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.block_q, BLOCK_K], a_layout)
     tiles = triton.cdiv(n, cfg.block_p)
-    split = k_slices(triton.cdiv(k, BLOCK_K * cfg.kgroups), cfg.split_k)
+    n_st = triton.cdiv(k, BLOCK_K * cfg.kgroups)
+    split = k_slices(n_st, cfg.split_k)
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
         w_desc, a_desc, out, ws8, ws8 if sa is None else sa, part, cnt, m, n, k, ws8.stride(0),
         0 if sa is None else sa.stride(0), split, AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages,
         PDL=cfg.pdl, QUANT_A=sa is None, A128=a128,
+        A_WORDS=as_e8 and sa.stride(0) % 4 == 0 and sa.data_ptr() % 4 == 0, PREFETCH=triton.cdiv(n_st, split) > 1,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv),
         num_warps=4, launch_pdl=cfg.pdl)
     return out

@@ -26,3 +26,15 @@ def test_merge_with_moe_shapes_keeps_the_other_shapes_rows():
     assert not replaced_by_run(failed, ["moe"], [8], {"ep8"})
     assert replaced_by_run(router, ["moe"], [8], {"tp1", "ep8"}) and replaced_by_run(failed, ["moe"], [8], {"tp8"})
     assert replaced_by_run(_row("v4_moe_experts[tuned]", "ep8 E256/32 k6 4096x2048", 8), ["moe_v4"], [8], {"ep8"})
+
+
+def test_merge_with_gemm_shapes_keeps_the_other_shapes_rows():
+    w13 = _row("fp8_gemm[tuned]", "shexp_w13[tp1] 4608x5120", 8)
+    wq_b = _row("bf16_cache_gemm", "wq_b[tp8] 4096x1280", 8)
+    skipped = {"op": "fp8_gemm", "shape": "shexp_w13[tp1] 4608x5120", "M": 8, "error": "skipped: time budget"}
+    only = {"shexp_w13[tp1]", "wo_b[tp1]"}
+    assert replaced_by_run(w13, ["gemm"], [8], gemm_only=only) and replaced_by_run(skipped, ["gemm"], [8], None, only)
+    assert not replaced_by_run(wq_b, ["gemm"], [8], gemm_only=only)
+    assert replaced_by_run(wq_b, ["gemm"], [8])
+    assert not replaced_by_run(_row("v4_fp8_gemm[tuned]", "wq_b[tp8] 4096x1024", 8), ["gemm"], [8], None, only)
+    assert replaced_by_run(_row("v4_fp8_gemm[tuned]", "shexp_w13[tp1] 4096x4096", 8), ["gemm_v4"], [8], None, only)
