@@ -1,11 +1,11 @@
 """Session 17 (H200): the Gluon decode GEMM's split-K partials summed by a statically unrolled loop (SPLIT a
 constexpr, every partial's load issued before the adds) against `splitk.splitk_total`'s runtime loop. The variant is
-built from the decode kernel as it was before that change (the scale-words commit, SOURCE below), checked
+built from the decode kernel as it was before that change (commit 1aa0521), checked
 bit-identical to it, and both are timed over the PDL decode candidates at M = 1 and 8
 (`gemm_decode_splitk_s17_h200.json`: rows [shape, M, "prod" | "static", config, µs]). The kernel now unrolls the sum
 to a power of two >= SPLIT with masked slices (`splitk_total`'s MAX_SPLIT), the same loads.
 
-    git show SOURCE:plugins/fp8_gemm_gluon.py > /tmp/gluon_words.py
+    git show 1aa0521:plugins/fp8_gemm_gluon.py > /tmp/gluon_words.py
     python3 benchmarks/gemm_decode_splitk.py /tmp/gluon_words.py --out out.json
 
 GPU only.
@@ -68,7 +68,7 @@ def decode_exp(a_q, a_s, w_q, w_s, cfg):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel_source", help="plugins/fp8_gemm_gluon.py before the unrolled sum (git show SOURCE:...)")
+    ap.add_argument("kernel_source", help="plugins/fp8_gemm_gluon.py before the unrolled sum (git show 1aa0521:...)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from dsflash.plugins.act_quant import act_quant

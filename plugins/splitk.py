@@ -43,22 +43,29 @@ def splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
 
 
 @triton.jit
-def splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB):
+def splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB, MAX_SPLIT: tl.constexpr = 0):
     """(The last slice only) the sum of the tile's SPLIT partials in slice order, in off's layout (no constant
-    tensors, so Gluon kernels call it too); resets the tile's counter."""
+    tensors, so Gluon kernels call it too); resets the tile's counter. MAX_SPLIT (a constexpr >= SPLIT, 0: a runtime
+    loop): the loop unrolled, slices past SPLIT masked, so every partial's load is in flight before the adds (the
+    same sum: a masked slice adds 0.0)."""
     tot = tl.load(ws_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, SPLIT):
-        tot += tl.load(ws_ptr + s * SLAB + off, mask=mask, other=0.0, cache_modifier=".cg")
+    if MAX_SPLIT > 0:
+        for s in tl.static_range(1, MAX_SPLIT):
+            tot += tl.load(ws_ptr + s * SLAB + off, mask=mask & (s < SPLIT), other=0.0, cache_modifier=".cg")
+    else:
+        for s in range(1, SPLIT):
+            tot += tl.load(ws_ptr + s * SLAB + off, mask=mask, other=0.0, cache_modifier=".cg")
     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     return tot
 
 
 @triton.jit
-def splitk_store(out_ptr, part, off, mask, ws_ptr, cnt_ptr, tile, pid_k, SPLIT, SLAB):
+def splitk_store(out_ptr, part, off, mask, ws_ptr, cnt_ptr, tile, pid_k, SPLIT, SLAB, MAX_SPLIT: tl.constexpr = 0):
     """K slice pid_k's fp32 partial -> out_ptr + off in out's dtype: stored directly when SPLIT == 1, else through
-    the workspace (`splitk_arrive`), the tile's last slice to arrive storing the slice-order sum (`splitk_total`)."""
+    the workspace (`splitk_arrive`), the tile's last slice to arrive storing the slice-order sum (`splitk_total`,
+    unrolled to MAX_SPLIT when > 0)."""
     if SPLIT == 1:
         tl.store(out_ptr + off, part.to(out_ptr.dtype.element_ty), mask=mask)
     elif splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
-        tot = splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB)
+        tot = splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB, MAX_SPLIT)
         tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=mask)
