@@ -30,6 +30,12 @@ class _PartialSums:
 
 
 @pytest.fixture
+def v41_site_kinds() -> set[str]:
+    """The site kinds `build.bind.site_parity` reports for a V4.1 sm90 engine with every plugin bound."""
+    return {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "norm_pair", "swiglu"}
+
+
+@pytest.fixture
 def partial_sums() -> type:
     """`partial_sums(tp, rank)`: a comm for loading one rank of a TP engine without its peers."""
     return _PartialSums

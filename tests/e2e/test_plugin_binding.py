@@ -20,9 +20,6 @@ from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
 
-# the site kinds of a V4.1 sm90 engine (build.bind.site_parity)
-V41_SITE_KINDS = {"gemm", "gemm_w13", "gemm_qkv_a", "moe", "mhc", "wo_a", "norm", "norm_pair", "swiglu"}
-
 
 @pytest.fixture(scope="module")
 def hopper_ckpt(tmp_path_factory):
@@ -51,7 +48,7 @@ def test_gpu_engines_select_plugins_and_bf16():
         resolve_plugins(sm90, {"moe": "cutlass"})
 
 
-def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
+def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog, v41_site_kinds):
     with caplog.at_level(logging.INFO, logger="dsflash.bind"):
         model, eng = load_engine_model(sm90_engine, check_arch=False)
     assert eng.meta["build_config"]["dtype"] == "" and next(model.parameters()).dtype == torch.bfloat16
@@ -67,7 +64,7 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog):
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     rows = site_parity(model, ids)
     kinds = {r["kind"] for r in rows}
-    assert kinds == V41_SITE_KINDS
+    assert kinds == v41_site_kinds
     # a shared expert's w1 and w3 run as one GEMM over the stacked weight (their own linears keep no plugin)
     shexp = model.layers[0].ffn.shared_experts
     assert shexp.w13_plugin is not None and shexp.w1.plugin is None and shexp.w3.plugin is None
@@ -125,7 +122,7 @@ def test_reference_override_binds_nothing(sm90_engine):
     assert torch.isfinite(model.logits(ids)).all()
 
 
-def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
+def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums, v41_site_kinds):
     """MoE-TP2 halves the tiny intermediate (64 -> 32), padded after sharding to the 64-wide sm90 tile."""
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-tp2", Mapping(world_size=2, tp_size=2), "sm90",
                        BuildConfig(), progress=False)
@@ -135,7 +132,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums):
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
         rows = site_parity(model, ids)
-        assert {r["kind"] for r in rows} == V41_SITE_KINDS
+        assert {r["kind"] for r in rows} == v41_site_kinds
         assert all(r["rel"] <= 1e-2 for r in rows), max(rows, key=lambda r: r["rel"])
 
 
