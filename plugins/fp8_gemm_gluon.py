@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
 from dsflash.plugins.fp8_gemm import _scale_arg
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
+from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_ws
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, grouped_tile, scale_exp
 from dsflash.plugins.tuning import GemmConfig, gluon_fits
 
@@ -237,7 +237,8 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
                                       stride_ws, stride_as, SPLIT, AS_E8M0: gl.constexpr, BOXES: gl.constexpr,
                                       NUM_STAGES: gl.constexpr, PDL: gl.constexpr, QUANT_A: gl.constexpr,
                                       Q_LAYOUT: gl.constexpr, A128: gl.constexpr, A_WORDS: gl.constexpr,
-                                      PREFETCH: gl.constexpr, MAX_SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                                      PREFETCH: gl.constexpr, MAX_SPLIT: gl.constexpr, WS_Q: gl.constexpr,
+                                      num_warps: gl.constexpr):
     """Decode (M <= 8), swap-AB: 64 weight rows × the 8-token tile per program, over K slice pid_k of SPLIT.
     A stage is BOXES TMA boxes of 128 K (weights [64, 128], tokens [8, 128]); its 4·BOXES m64n8k32 MMAs are all
     issued before one wait (each partial is 4 registers), then folded: the weight stream never waits on an MMA.
@@ -252,7 +253,8 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     token and K block in the fold cost M = 8 up to 1.2 µs over M = 1 on the 24 MB shared w13: benchmarks/README.md,
     session 17.)
     MAX_SPLIT (a power of two >= SPLIT): the last slice's sum of the partials is unrolled that far (`splitk_total`);
-    unrolled over a constexpr SPLIT it measured 0.1-0.3 µs faster than the runtime loop (gemm_decode_splitk.py)."""
+    unrolled over a constexpr SPLIT it measured 0.1-0.3 µs faster than the runtime loop (gemm_decode_splitk.py).
+    WS_Q: token columns of the split-K workspace [SPLIT, N, WS_Q] (`decode_ws_tokens`)."""
     BP: gl.constexpr = w_desc.block_type.shape[0]
     BQ: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -357,7 +359,10 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
     # out[tok, n] = acc[n, tok]
     o_off = gl.expand_dims(toks * N, 0) + gl.expand_dims(rows, 1)
     o_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks_ok, 0)
-    splitk_store(out_ptr, acc, o_off, o_mask, part_ptr, cnt_ptr, pid, pid_k, SPLIT, M * N, MAX_SPLIT)
+    w_off = gl.expand_dims(rows * WS_Q, 1) + gl.expand_dims(toks, 0)
+    w_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks < WS_Q, 0)
+    splitk_store_ws(out_ptr, acc, o_off, o_mask, part_ptr, w_off, w_mask, cnt_ptr, pid, pid_k, SPLIT, N * WS_Q,
+                    MAX_SPLIT)
 
 
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
@@ -436,14 +441,15 @@ def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Te
     tiles = triton.cdiv(n, cfg.block_p)
     n_st = triton.cdiv(k, BLOCK_K * cfg.kgroups)
     split = k_slices(n_st, cfg.split_k)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
+    ws_q = decode_ws_tokens(m, cfg.block_q)
+    part = torch.empty((split, n, ws_q), dtype=torch.float32, device=out.device) if split > 1 else out
     cnt = split_counter(out.device, tiles, "fp8_gemm_gluon") if split > 1 else out
     _fp8_gemm_g32_gluon_decode_kernel[(tiles, split)](
         w_desc, a_desc, out, ws8, ws8 if sa is None else sa, part, cnt, m, n, k, ws8.stride(0),
         0 if sa is None else sa.stride(0), split, AS_E8M0=as_e8, BOXES=cfg.kgroups, NUM_STAGES=cfg.num_stages,
         PDL=cfg.pdl, QUANT_A=sa is None, A128=a128,
         A_WORDS=as_e8 and sa.stride(0) % 4 == 0 and sa.data_ptr() % 4 == 0, PREFETCH=triton.cdiv(n_st, split) > 1,
-        MAX_SPLIT=triton.next_power_of_2(split),
+        MAX_SPLIT=triton.next_power_of_2(split), WS_Q=ws_q,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv),
         num_warps=4, launch_pdl=cfg.pdl)
     return out

@@ -63,9 +63,26 @@ def splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB, MAX_SPLIT: tl.co
 def splitk_store(out_ptr, part, off, mask, ws_ptr, cnt_ptr, tile, pid_k, SPLIT, SLAB, MAX_SPLIT: tl.constexpr = 0):
     """K slice pid_k's fp32 partial -> out_ptr + off in out's dtype: stored directly when SPLIT == 1, else through
     the workspace (`splitk_arrive`), the tile's last slice to arrive storing the slice-order sum (`splitk_total`,
-    unrolled to MAX_SPLIT when > 0)."""
+    unrolled to MAX_SPLIT when > 0). The workspace slab is laid out as the output (`splitk_store_ws` otherwise)."""
+    splitk_store_ws(out_ptr, part, off, mask, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB, MAX_SPLIT)
+
+
+@triton.jit
+def splitk_store_ws(out_ptr, part, off, mask, ws_ptr, ws_off, ws_mask, cnt_ptr, tile, pid_k, SPLIT, SLAB,
+                    MAX_SPLIT: tl.constexpr = 0):
+    """`splitk_store` with the workspace slab in its own layout: ws_off / ws_mask place the partial in the slab,
+    off / mask in the output (e.g. a swap-AB kernel's [rows, tokens] partial kept token-minor in the workspace, so a
+    thread's adjacent tokens are one vector access: `decode_ws_tokens`)."""
     if SPLIT == 1:
         tl.store(out_ptr + off, part.to(out_ptr.dtype.element_ty), mask=mask)
-    elif splitk_arrive(part, ws_ptr, off, mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
-        tot = splitk_total(ws_ptr, off, mask, cnt_ptr, tile, SPLIT, SLAB, MAX_SPLIT)
+    elif splitk_arrive(part, ws_ptr, ws_off, ws_mask, cnt_ptr, tile, pid_k, SPLIT, SLAB):
+        tot = splitk_total(ws_ptr, ws_off, ws_mask, cnt_ptr, tile, SPLIT, SLAB, MAX_SPLIT)
         tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_ws_tokens(m: int, tile_tokens: int) -> int:
+    """Token columns of a swap-AB decode kernel's split-K workspace [split, rows, columns] for m tokens: the power of
+    two >= m (at most the tile's). A thread of the MMA layout holds two adjacent tokens: from two columns up they are
+    one 8-byte access, the mask constant over them (the columns past m are summed, never stored). The token-major
+    [split, m, rows] slab cost the 24 MB shared w13 0.7 µs at m = 8 (benchmarks/gemm_decode_m8.py, session 18)."""
+    return min(triton.next_power_of_2(m), tile_tokens)

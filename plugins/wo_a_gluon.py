@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait, _load_boxes
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
+from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_ws
 
 BOX = 64    # K per TMA box: one 128-byte BF16 row, the widest swizzle
 TILE_ROWS = 64    # weight rows per program (one wgmma M)
@@ -73,9 +73,10 @@ def _wo_a_gluon_decode_kernel(w_desc, o_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, 
                               T, R, KG, ROWS, SPLIT, stride_ot, stride_ct,
                               HEAD_D: gl.constexpr, RD: gl.constexpr, BOXES: gl.constexpr,
                               NUM_STAGES: gl.constexpr, MAX_SLICE_BOXES: gl.constexpr, NH: gl.constexpr,
-                              PDL: gl.constexpr, num_warps: gl.constexpr):
+                              PDL: gl.constexpr, WS_Q: gl.constexpr, num_warps: gl.constexpr):
     """One program: weight rows [64·pid, +64) (inside group g) × the ≤ 8 tokens, K slice pid_k of SPLIT (stages of
-    BOXES 64-K boxes). o_desc boxes [8, 64] of o [T, H·d]; w_desc boxes [64, 64] of W_a [G·R, KG]."""
+    BOXES 64-K boxes). o_desc boxes [8, 64] of o [T, H·d]; w_desc boxes [64, 64] of W_a [G·R, KG]. The split-K
+    workspace is [SPLIT, ROWS, WS_Q] (`decode_ws_tokens`)."""
     gl.static_assert(w_desc.block_type.shape[1] == BOX_K)
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -135,7 +136,9 @@ def _wo_a_gluon_decode_kernel(w_desc, o_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, 
     toks = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, mma))
     o_off = gl.expand_dims(toks * ROWS, 0) + gl.expand_dims(rows, 1)           # out[tok, row] = acc[row, tok]
     o_mask = gl.expand_dims(rows < ROWS, 1) & gl.expand_dims(toks < T, 0)
-    splitk_store(out_ptr, acc, o_off, o_mask, part_ptr, cnt_ptr, pid, pid_k, SPLIT, T * ROWS)
+    w_off = gl.expand_dims(rows * WS_Q, 1) + gl.expand_dims(toks, 0)
+    w_mask = gl.expand_dims(rows < ROWS, 1) & gl.expand_dims(toks < WS_Q, 0)
+    splitk_store_ws(out_ptr, acc, o_off, o_mask, part_ptr, w_off, w_mask, cnt_ptr, pid, pid_k, SPLIT, ROWS * WS_Q)
 
 
 def fits(t: int, r: int, kg: int, head_d: int, rd: int) -> bool:
@@ -167,7 +170,8 @@ def wo_a_gluon_decode(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: 
     out = torch.empty((t, rows), dtype=torch.bfloat16, device=o.device)
     split, max_boxes = slice_boxes(kg, boxes, split)
     tiles = rows // TILE_ROWS
-    part = torch.empty((split, t, rows), dtype=torch.float32, device=o.device) if split > 1 else out
+    ws_q = decode_ws_tokens(t, TILE_TOKENS)
+    part = torch.empty((split, rows, ws_q), dtype=torch.float32, device=o.device) if split > 1 else out
     cnt = split_counter(o.device, tiles, "wo_a_gluon") if split > 1 else out
     w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [TILE_ROWS, BOX],
                               gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BOX], gl.bfloat16))
@@ -179,5 +183,5 @@ def wo_a_gluon_decode(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: 
         w_desc, o_desc, ov, cos, sin, out, part, cnt,
         t, r, kg, rows, split, h * d, cos.stride(0),
         HEAD_D=d, RD=rd, BOXES=boxes, NUM_STAGES=num_stages, MAX_SLICE_BOXES=max_boxes, NH=nh, PDL=pdl,
-        num_warps=4, launch_pdl=pdl)
+        WS_Q=ws_q, num_warps=4, launch_pdl=pdl)
     return out

@@ -53,10 +53,11 @@ def test_fp8_gemm_e8m0_and_strided_activations(m):
             assert torch.equal(fp8_gemm(a_q, odd_s, w_q, w_s, cfg), out), cfg.tag()
 
 
-@pytest.mark.parametrize("m,n", [(4096, 1056), (130, 4096), (65, 288), (1, 1056), (3, 4096), (8, 288)])
+@pytest.mark.parametrize("m,n", [(4096, 1056), (130, 4096), (65, 288), (1, 1056), (2, 4096), (3, 4096),
+                                 (8, 288)])
 def test_fp8_gemm_gluon_tails(m, n):
     """Row and column tails of the Gluon kernels: N not a multiple of the tile, M one past a tile (or fewer tokens
-    than the decode tile's 8), K = 2304 (a partial last stage)."""
+    than the decode tile's 8: split-K workspaces of 1, 2, 4 and 8 token columns), K = 2304 (a partial last stage)."""
     from dsflash.plugins.fp8_gemm import fp8_gemm
     _, a_q, a_s, w_q, w_s = _operands(m, n, 2304)
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)

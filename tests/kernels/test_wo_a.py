@@ -61,7 +61,7 @@ def test_wo_a_rope_matters_and_graph():
     assert torch.equal(torch.ops.dsflash.wo_a(o, cos, sin, w), wo_a(o, cos, sin, w))
 
 
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("head_d,rd,h,g,rank", [(128, 32, 6, 2, 64), (256, 64, 12, 3, 192), (512, 64, 3, 1, 128)])
 def test_wo_a_gluon_awkward_shapes(m, head_d, rd, h, g, rank):
     """The Gluon decode kernel at shapes unlike V4.1's: RoPE narrower than a box, groups of 3-6 heads, slices that
