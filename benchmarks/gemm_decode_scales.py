@@ -45,6 +45,17 @@ def _replace(src: str, old: str, new: str) -> str:
     return src.replace(old, new)
 
 
+# the session-16 kernel sets up its scale pointers after the ring's first loads; the word modes move them before
+SCALE_POINTERS = """    rows = off_n + gl.arange(0, BP, layout=rows_l)
+    rows_ok = rows < N
+    toks = gl.arange(0, BQ, layout=cols_l)
+    toks_ok = toks < M
+    sw_row = ws_ptr + (rows // 32) * stride_ws
+    sa_col = as_ptr + toks * stride_as
+    n_kb = K // 32
+"""
+
+
 def variant_source(src: str) -> str:
     """The session-16 `fp8_gemm_gluon.py` with an SA_MODE constexpr on the decode kernel (the modes of
     KERNEL_MODES) and `decode_exp(a_q, a_s, w_q, w_s, cfg, mode)` to launch it."""
@@ -58,24 +69,10 @@ def variant_source(src: str) -> str:
     per = gl.cdiv(n_st, SPLIT)
     st0 = pid_k * per
     n_my = gl.minimum(st0 + per, n_st) - st0
-    rows = off_n + gl.arange(0, BP, layout=rows_l)
-    rows_ok = rows < N
-    toks = gl.arange(0, BQ, layout=cols_l)
-    toks_ok = toks < M
-    sw_row = ws_ptr + (rows // 32) * stride_ws
-    sa_col = as_ptr + toks * stride_as
-    n_kb = K // 32
-    if SA_MODE >= 4:
+""" + SCALE_POINTERS + """    if SA_MODE >= 4:
         pw = _words(sw_row, st0 * BOXES * _KB, n_kb, rows_ok, BOXES)
     # every slot""")
-    src = _replace(src, """    rows = off_n + gl.arange(0, BP, layout=rows_l)
-    rows_ok = rows < N
-    toks = gl.arange(0, BQ, layout=cols_l)
-    toks_ok = toks < M
-    sw_row = ws_ptr + (rows // 32) * stride_ws
-    sa_col = as_ptr + toks * stride_as
-    n_kb = K // 32
-    zero = gl""", """    if SA_MODE >= 4:
+    src = _replace(src, SCALE_POINTERS + """    zero = gl""", """    if SA_MODE >= 4:
         pa = _words(sa_col, st0 * BOXES * _KB, n_kb, toks_ok, BOXES)
     zero = gl""")
     src = _replace(src, """        parts = ()
