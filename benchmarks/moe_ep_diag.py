@@ -47,7 +47,7 @@ def _case(name: str, m: int, sets: list[torch.Tensor], ep: int, listed: bool, we
     for ids in sets:
         local = (ids.flatten() < LOCAL).nonzero().flatten().to(torch.int32)
         index = torch.zeros(m * TOPK, dtype=torch.int32, device=DEV)
-        index[:local.numel()] = local
+        index[:local.numel()] = M.pair_entry(local, ids.flatten()[local])
         lists.append(M.LocalPairs(index, torch.tensor([local.numel()], dtype=torch.int32, device=DEV))
                      if listed else None)
     shared = [torch.randn(m, D, device=DEV, generator=gen) for _ in sets]

@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
 from dsflash.plugins.fp8_gemm import _scale_arg
-from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_ws
+from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_rows_tokens
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, grouped_tile, scale_exp
 from dsflash.plugins.tuning import GemmConfig, gluon_fits
 
@@ -357,12 +357,9 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
         mbarrier.invalidate(ready.index(s))
 
     # out[tok, n] = acc[n, tok]
-    o_off = gl.expand_dims(toks * N, 0) + gl.expand_dims(rows, 1)
-    o_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks_ok, 0)
-    w_off = gl.expand_dims(rows * WS_Q, 1) + gl.expand_dims(toks, 0)
-    w_mask = gl.expand_dims(rows_ok, 1) & gl.expand_dims(toks < WS_Q, 0)
-    splitk_store_ws(out_ptr, acc, o_off, o_mask, part_ptr, w_off, w_mask, cnt_ptr, pid, pid_k, SPLIT, N * WS_Q,
-                    MAX_SPLIT)
+    splitk_store_rows_tokens(out_ptr, acc, gl.expand_dims(rows, 1), gl.expand_dims(rows_ok, 1),
+                             gl.expand_dims(toks, 0), gl.expand_dims(toks_ok, 0), N, part_ptr, WS_Q, cnt_ptr, pid,
+                             pid_k, SPLIT, MAX_SPLIT)
 
 
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,

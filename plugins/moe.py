@@ -58,10 +58,12 @@ from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives b
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
     MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates)
-from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 
 QBLOCK = 32
+# An EP rank's pair-list entry is pair << 16 | local expert (`pair_entry`): the decode GEMVs read one word per pair
+PAIR_SHIFT = tl.constexpr(1 << 16)
 
 
 # -- shared helpers ---------------------------------------------------------------------------------------------------
@@ -170,9 +172,10 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
     """Scores, top-k and weights of BLOCK_T tokens from the SPLIT K-slice logits partials. The ids written are
     local to the experts [expert_start, expert_start + n_local) (one EP rank's; all experts: 0, E): a pick outside
     them is written as n_local, which the expert kernels skip (`refs.local_expert_ids`). COMPACT: the pairs
-    p = t·k + j picked here are also appended to list_ptr (count_ptr: how many, zeroed by the logits kernel), so the
-    decode GEMVs can run this rank's pairs only (order: atomic arrival). HASH (V4's hash-routed layers): the picks are
-    given, hash_ptr int32 [T, TOPK] (`tid2eid` of the tokens), and no bias is read."""
+    p = t·k + j picked here are also appended to list_ptr as p << 16 | local expert (`pair_entry`; count_ptr: how
+    many, zeroed by the logits kernel), so the decode GEMVs can run this rank's pairs only (order: atomic arrival).
+    HASH (V4's hash-routed layers): the picks are given, hash_ptr int32 [T, TOPK] (`tid2eid` of the tokens), and no
+    bias is read."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, NB_E)
     kcol = tl.arange(0, KP)
@@ -205,7 +208,8 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, st
     if COMPACT:
         mine = tl.reshape((m2 & (ids < n_local)).to(tl.int32), [BLOCK_T * KP])
         base = tl.atomic_add(count_ptr, tl.sum(mine, axis=0))
-        tl.store(list_ptr + base + tl.cumsum(mine, 0) - mine, tl.reshape(out, [BLOCK_T * KP]), mask=mine > 0)
+        entry = tl.reshape(out * PAIR_SHIFT + ids, [BLOCK_T * KP])
+        tl.store(list_ptr + base + tl.cumsum(mine, 0) - mine, entry, mask=mine > 0)
     tl.store(w_ptr + out, wts, mask=m2)
 
 
@@ -548,6 +552,15 @@ def _pair_perm16(n, N):
 
 
 @triton.jit
+def _listed_pair(list_ptr, s, n):
+    """Entry s of a rank's pair list (`router` with pairs): (pair index t·k + j, local expert as int64). The entry is
+    loaded whether or not s < count (masked only past the list's n = T·k), so that load and the count's are one round
+    trip, not three dependent ones (count, pair, then the pair's id)."""
+    v = tl.load(list_ptr + s, mask=s < n, other=0)
+    return v >> 16, (v & 0xFFFF).to(tl.int64)
+
+
+@triton.jit
 def _gemv_pids(COMPACT: tl.constexpr):
     """A decode GEMV program's (pair row, N tile, K slice) and the grid's row and tile counts. Grid (rows, tiles,
     slices); with a pair list (COMPACT) (tiles, slices, rows): CTAs are dispatched in pair-row order, so the programs
@@ -586,11 +599,11 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
             s = pid0 + i * n_rows
+            p, e = _listed_pair(list_ptr, s, T * TOPK)
             if s < count:
-                p = tl.load(list_ptr + s)
-                _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p,
-                          tl.load(ids_ptr + p).to(tl.int64), pid_n, pid_k, n_tiles, N, N_VALID, K, TOPK, limit, SPLIT,
-                          BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
+                _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n,
+                          pid_k, n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16,
+                          QB)
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -624,7 +637,7 @@ def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr
         tile = p * n_tiles + pid_n
         wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
         if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
-            tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N)
+            tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N, SPLIT)
             _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
 
 
@@ -685,7 +698,7 @@ def _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLO
 
 @triton.jit
 def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, TOPK, E, stride_o, list_ptr, count_ptr,
-                        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        T, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                         EVEN: tl.constexpr, ACC16: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr):
     """Pair p, output features [pid_n·BN, +BN), K slice pid_k of SPLIT: y = h_p·W2[e]ᵀ, atomically added (fp32)
     into out[t] (the reduction over slots, slices and the shared expert's output is the same atomic sum).
@@ -698,10 +711,10 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: see `_moe_w13_gemv_kernel`)
             s = pid0 + i * n_rows
+            p, e = _listed_pair(list_ptr, s, T * TOPK)
             if s < count:
-                p = tl.load(list_ptr + s)
-                _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, tl.load(ids_ptr + p).to(tl.int64), pid_n,
-                         pid_k, N, K, TOPK, stride_o, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
+                _w2_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, e, pid_n, pid_k, N, K, TOPK, stride_o, SPLIT,
+                         BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16)
     else:
         e = tl.load(ids_ptr + pid0).to(tl.int64)
         if e < E:
@@ -774,10 +787,15 @@ def as_layout(xq, layout: str):
 
 
 class LocalPairs(NamedTuple):
-    """This EP rank's (token, expert) pairs as the router lists them: index int32 [T·k] (the first count are pair
-    indices t·k + j, in no particular order), count int32 [1]."""
+    """This EP rank's (token, expert) pairs as the router lists them: index int32 [T·k] (the first count are entries
+    `pair_entry(t·k + j, local expert)`, in no particular order), count int32 [1]."""
     index: torch.Tensor
     count: torch.Tensor
+
+
+def pair_entry(pair, expert):
+    """A pair-list entry: pair index t·k + j (< 2^15) in the high half, the local expert (< 2^16) in the low half."""
+    return pair * PAIR_SHIFT.value + expert
 
 
 def local_pairs(t: int, topk: int, device) -> LocalPairs:
@@ -868,6 +886,8 @@ def router(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top
     if pairs is not None:
         assert pairs.index.shape == (t * topk,) and pairs.index.dtype == torch.int32 and pairs.count.numel() == 1, \
             f"pairs must list up to T·k = {t * topk} int32 pair indices (`local_pairs`)"
+        assert t * topk < 1 << 15 and local_experts < PAIR_SHIFT.value, \
+            f"a pair list holds pair << 16 | expert: T·k = {t * topk} must be < 32768 (a decode batch)"
     plist, pcount = (ids, ids) if pairs is None else (pairs.index, pairs.count)   # (unused ones: any)
     _router_logits_kernel[(triton.cdiv(e, rt.block_e), triton.cdiv(t, rt.block_t), rt.split)](
         x, gate_w, logits, xq_out, xs_out, pcount, t, e, d,
@@ -939,7 +959,7 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     hq, hs = hp if cfg.acc16 else (hp, hp)
     even = ipad % cfg.bn13 == 0 and d % cfg.bk13 == 0
     n_tiles = triton.cdiv(ipad, cfg.bn13)
-    split = max(1, min(cfg.split13, d // cfg.bk13))
+    split = k_slices(triton.cdiv(d, cfg.bk13), cfg.split13)   # (no slice left empty)
     ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=codes.device) \
         if split > 1 else hq
     cnt = split_counter(codes.device, p * n_tiles, "moe_w13") if split > 1 else ids
@@ -983,11 +1003,11 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
         from dsflash.plugins.moe_gluon import gemv_w2_rows
         return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, cfg.pdl)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
-    split = max(1, min(cfg.split2, ipad // cfg.bk2))
+    split = k_slices(triton.cdiv(ipad, cfg.bk2), cfg.split2)
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, triton.cdiv(d, cfg.bn2), split)
     _moe_w2_gemv_kernel[grid](
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
-        out.stride(0), plist, pcount,
+        out.stride(0), plist, pcount, ids.shape[0],
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
         ACC16=cfg.acc16, COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
     return out

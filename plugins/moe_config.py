@@ -66,8 +66,10 @@ class MoeConfig:
 def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6) -> int:
     """K slices so that about `target` programs run, keeping >= 2 K steps per slice. (H200 sweep,
     benchmarks/moe_gemv_sweep_h200.json: with 4-warp tiles, ~400 programs is where the latency-bound GEMV stops
-    gaining from more warps and starts paying for the split-K reduction.)"""
-    return max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
+    gaining from more warps and starts paying for the split-K reduction.) The count the kernels launch: none of the
+    slices of cdiv(k_iters, split) steps is left empty (`splitk.k_slices`: 6 of 20 steps -> 5 slices of 4)."""
+    want = max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
+    return -(-k_iters // -(-k_iters // want))
 
 
 def gemv_warps(rows: int, bk: int) -> int:
@@ -155,8 +157,11 @@ def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int,
         pairs = -(-t * topk // ep)
         cfg = _triton_gemv_default(pairs, inter, dim)
         if ep > 1:   # an EP rank's few pairs on its listed-pair grid: w13 wins with ~1000 programs, not 400 (one EP8
-            # rank, H200: the winners x5-6 / x3-4 / x2 / x1 at M = 1 / 3 / 8 / 64, benchmarks/moe_ep_s11_h200.json)
-            cfg = dataclasses.replace(cfg, split13=_gemv_split(pairs * -(-inter // cfg.bn13), dim // cfg.bk13, 1000))
+            # rank, H200: the winners x5-6 / x3-4 / x2 / x1 at M = 1 / 3 / 8 / 64, benchmarks/moe_ep_s11_h200.json),
+            # and so does w2 (x3 / x3 / x2 at M = 1 / 3 / 8: the pass 1.9-6.8 % faster than with one w2 slice,
+            # session 19, benchmarks/moe_split_ab_s19_h200.json)
+            cfg = dataclasses.replace(cfg, split13=_gemv_split(pairs * -(-inter // cfg.bn13), dim // cfg.bk13, 1000),
+                                      split2=_gemv_split(pairs * -(-dim // cfg.bn2), -(-inter // cfg.bk2), 1000))
         return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1) if rows_fit(inter) else cfg
     avg = t * topk / max(1, n_experts * ep)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
@@ -197,6 +202,8 @@ def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep:
                         _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
         out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
                 dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
+                dataclasses.replace(d, split13=min(6, d.split13 + 1)),   # (one EP8 rank's M = 8: x3 2.4 % faster
+                # than x2 on some routings, 2.3 % slower on the bench's: benchmarks/moe_split_near_s19_h200.json)
                 dataclasses.replace(d, split13=min(6, 2 * d.split13)),
                 dataclasses.replace(d, split13=min(6, 4 * d.split13)),
                 _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),

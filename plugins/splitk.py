@@ -80,6 +80,16 @@ def splitk_store_ws(out_ptr, part, off, mask, ws_ptr, ws_off, ws_mask, cnt_ptr, 
         tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def splitk_store_rows_tokens(out_ptr, acc, rows, rows_ok, toks, toks_ok, n_rows, ws_ptr, WS_Q, cnt_ptr, tile, pid_k,
+                             SPLIT, MAX_SPLIT: tl.constexpr = 0):
+    """A swap-AB decode kernel's [rows, tokens] fp32 tile -> out[tok, row] (out [tokens, n_rows]), K slices reduced
+    through the token-minor workspace [SPLIT, n_rows, WS_Q] (`decode_ws_tokens`, `splitk_store_ws`). rows, rows_ok:
+    [R, 1]; toks, toks_ok: [1, Q], in acc's layout."""
+    splitk_store_ws(out_ptr, acc, toks * n_rows + rows, rows_ok & toks_ok, ws_ptr, rows * WS_Q + toks,
+                    rows_ok & (toks < WS_Q), cnt_ptr, tile, pid_k, SPLIT, n_rows * WS_Q, MAX_SPLIT)
+
+
 def decode_ws_tokens(m: int, tile_tokens: int) -> int:
     """Token columns of a swap-AB decode kernel's split-K workspace [split, rows, columns] for m tokens: the power of
     two >= m (at most the tile's). A thread of the MMA layout holds two adjacent tokens: from two columns up they are

@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait, _load_boxes
-from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_ws
+from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_rows_tokens
 
 BOX = 64    # K per TMA box: one 128-byte BF16 row, the widest swizzle
 TILE_ROWS = 64    # weight rows per program (one wgmma M)
@@ -134,11 +134,10 @@ def _wo_a_gluon_decode_kernel(w_desc, o_desc, o_ptr, cos_ptr, sin_ptr, out_ptr, 
     mbarrier.invalidate(act.index(0))
     rows = row0 + gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, mma))
     toks = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, mma))
-    o_off = gl.expand_dims(toks * ROWS, 0) + gl.expand_dims(rows, 1)           # out[tok, row] = acc[row, tok]
-    o_mask = gl.expand_dims(rows < ROWS, 1) & gl.expand_dims(toks < T, 0)
-    w_off = gl.expand_dims(rows * WS_Q, 1) + gl.expand_dims(toks, 0)
-    w_mask = gl.expand_dims(rows < ROWS, 1) & gl.expand_dims(toks < WS_Q, 0)
-    splitk_store_ws(out_ptr, acc, o_off, o_mask, part_ptr, w_off, w_mask, cnt_ptr, pid, pid_k, SPLIT, ROWS * WS_Q)
+    # out[tok, row] = acc[row, tok]
+    splitk_store_rows_tokens(out_ptr, acc, gl.expand_dims(rows, 1), gl.expand_dims(rows < ROWS, 1),
+                             gl.expand_dims(toks, 0), gl.expand_dims(toks < T, 0), ROWS, part_ptr, WS_Q, cnt_ptr, pid,
+                             pid_k, SPLIT)
 
 
 def fits(t: int, r: int, kg: int, head_d: int, rd: int) -> bool:

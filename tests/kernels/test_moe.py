@@ -271,7 +271,7 @@ LOCAL = E // EP
 
 def test_router_ids_local_to_an_ep_block(gate):
     """ids local to [start, start + L), another rank's pick = L; the weights are the all-expert router's."""
-    from dsflash.plugins.moe import local_pairs, router
+    from dsflash.plugins.moe import local_pairs, pair_entry, router
     gw, bias = gate
     x = _x(40, 600)
     w, ids, _ = router(x, gw, bias, TOPK, SCALE)
@@ -279,13 +279,15 @@ def test_router_ids_local_to_an_ep_block(gate):
         w_l, ids_l, _ = router(x, gw, bias, TOPK, SCALE, expert_start=start, local_experts=LOCAL)
         assert torch.equal(w_l, w) and torch.equal(ids_l, refs.local_expert_ids(ids, start, LOCAL))
         assert bool(((ids_l == LOCAL) | (ids_l < LOCAL)).all()) and bool((ids_l < LOCAL).any())
-        # the pair list: exactly this rank's pairs t·k + j, counted (twice: the counter restarts every call)
+        # the pair list: exactly this rank's pairs t·k + j with their local experts (`pair_entry`), counted (twice:
+        # the counter restarts every call)
         pairs = local_pairs(40, TOPK, DEV)
         for _ in range(2):
             router(x, gw, bias, TOPK, SCALE, expert_start=start, local_experts=LOCAL, pairs=pairs)
             n = int(pairs.count)
             mine = (ids_l.flatten() < LOCAL).nonzero().flatten()
-            assert n == mine.numel() and torch.equal(pairs.index[:n].sort().values.long(), mine)
+            listed = pairs.index[:n].long().sort().values
+            assert n == mine.numel() and torch.equal(listed, pair_entry(mine, ids_l.flatten()[mine].long()))
     with pytest.raises(AssertionError, match="EP expert range"):
         router(x, gw, bias, TOPK, SCALE, expert_start=E - LOCAL + 1, local_experts=LOCAL)
 

@@ -290,6 +290,24 @@ def test_moe_decode_configs_take_no_pdl():
     assert moe_config.default_moe_config(3, 6, 384, 320, 5120).rows2
 
 
+def test_moe_gemv_split_counts():
+    """The decode GEMVs' K-slice counts are the ones they launch: no slice of cdiv(k_iters, split) steps left empty
+    (6 of 20 steps -> 5 slices); an EP8 rank's few pairs split w2 too (session 19: x3 / x3 / x2 at M = 1 / 3 / 8,
+    the pass 1.9-6.8 % faster than with one slice, benchmarks/moe_split_ab_s19_h200.json), TP1 and a TP8 rank do
+    not."""
+    for k_iters in range(1, 41):
+        for tiles in (1, 7, 60, 480, 5000):
+            for target in (400, 1000):
+                s = moe_config._gemv_split(tiles, k_iters, target, 16)
+                per = -(-k_iters // s)
+                assert 1 <= s <= max(1, k_iters // 2) and (s - 1) * per < k_iters, (k_iters, tiles, target, s)
+    assert moe_config._gemv_split(60, 20) == 5
+    ep8 = [moe_config.default_moe_config(t, 6, 48, 2304, 5120, ep=8) for t in (1, 3, 8)]
+    assert [(c.split13, c.split2) for c in ep8] == [(5, 3), (4, 3), (2, 2)]
+    assert all(moe_config.default_moe_config(t, 6, 384, 2304, 5120).split2 == 1 for t in (1, 3, 8))
+    assert all(moe_config.default_moe_config(t, 6, 384, 320, 5120).rows2 for t in (1, 3, 8))
+
+
 def test_moe_table_covers_buckets_and_lookup_falls_back_once(caplog):
     shape = {"e": 16, "inter": 64, "inter_valid": 48, "d": 256, "topk": 2, "swiglu_limit": 10.0}
     c1 = moe_config.default_moe_config(1, 2, 16, 64, 256)
