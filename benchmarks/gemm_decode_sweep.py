@@ -19,7 +19,7 @@ import torch
 from dsflash.plugins import refs, tuning
 from dsflash.plugins.bench import GEMM_SHAPES, measure_ceilings
 from dsflash.plugins.fp8_gemm import fp8_gemm
-from dsflash.plugins.splitk import k_slices
+from dsflash.plugins.tuning import k_slices
 from dsflash.plugins.timing import graph_time_us, input_sets
 
 DEV = "cuda"

@@ -24,9 +24,9 @@ from dsflash.plugins import tuning
 from dsflash.plugins.act_quant import act_quant_dequant
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     ACT_BLOCKS, E4M3, E8M0, QBLOCK, bf16_cache_gemm_ref, dequant_weight_ref, fp8_gemm_ref)
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
+from dsflash.plugins.splitk import split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, grouped_tile
-from dsflash.plugins.tuning import GemmConfig
+from dsflash.plugins.tuning import GemmConfig, k_slices
 
 
 @triton.jit

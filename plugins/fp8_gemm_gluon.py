@@ -37,9 +37,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.tuning import GLUON_BLOCK_K as BLOCK_K   # K per TMA stage: 4 scale blocks
 from dsflash.plugins.fp8_gemm import _scale_arg
-from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_rows_tokens
+from dsflash.plugins.splitk import decode_ws_tokens, split_counter, splitk_store_rows_tokens
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, grouped_tile, scale_exp
-from dsflash.plugins.tuning import GemmConfig, gluon_fits
+from dsflash.plugins.tuning import GemmConfig, gluon_fits, k_slices
 
 _KB = gl.constexpr(BLOCK_K // 32)
 

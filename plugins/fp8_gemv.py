@@ -34,9 +34,9 @@ import triton.language as tl
 
 from dsflash.plugins.fp8_gemm import gemm_operands
 from dsflash.plugins.refs import E4M3, E8M0
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_store
+from dsflash.plugins.splitk import split_counter, splitk_store
 from dsflash.plugins.tl_helpers import e8m0_to_f32, split4
-from dsflash.plugins.tuning import GemmConfig
+from dsflash.plugins.tuning import GemmConfig, k_slices
 
 MAX_M = 8   # tokens; beyond that the MMA path is the one to use
 

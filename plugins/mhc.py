@@ -20,7 +20,7 @@ from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsflash.plugins.act_quant import _div, _quant_g32, _rsqrt_mean, _store_q_scale
-from dsflash.plugins.splitk import k_slices
+from dsflash.plugins.tuning import k_slices
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported)
     E4M3, E8M0, QBLOCK, hc_mix_ref, hc_post_ref, hc_pre_ref, hc_split_weight)
 

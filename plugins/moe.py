@@ -58,8 +58,9 @@ from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives b
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
     MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates)
-from dsflash.plugins.splitk import k_slices, split_counter, splitk_arrive, splitk_total
+from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
+from dsflash.plugins.tuning import k_slices
 
 QBLOCK = 32
 # An EP rank's pair-list entry is pair << 16 | local expert (`pair_entry`): the decode GEMVs read one word per pair

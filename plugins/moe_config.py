@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from dsflash.plugins.tuning import ConfigTable, m_bucket
+from dsflash.plugins.tuning import ConfigTable, k_slices, m_bucket
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,8 @@ def _gemv_split(tiles: int, k_iters: int, target: int = 400, max_split: int = 6)
     """K slices so that about `target` programs run, keeping >= 2 K steps per slice. (H200 sweep,
     benchmarks/moe_gemv_sweep_h200.json: with 4-warp tiles, ~400 programs is where the latency-bound GEMV stops
     gaining from more warps and starts paying for the split-K reduction.) The count the kernels launch: none of the
-    slices of cdiv(k_iters, split) steps is left empty (`splitk.k_slices`: 6 of 20 steps -> 5 slices of 4)."""
-    want = max(1, min(max_split, k_iters // 2, target // max(tiles, 1)))
-    return -(-k_iters // -(-k_iters // want))
+    slices of cdiv(k_iters, split) steps is left empty (`k_slices`: 6 of 20 steps -> 5 slices of 4)."""
+    return k_slices(k_iters, max(1, min(max_split, k_iters // 2, target // max(tiles, 1))))
 
 
 def gemv_warps(rows: int, bk: int) -> int:

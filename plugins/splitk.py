@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+# k_slices lives in tuning (Triton-free); the kernel sources of earlier commits that benchmarks/ replay import it here
+from dsflash.plugins.tuning import k_slices  # noqa: F401
+
 _counters: dict[tuple[str, str, int], torch.Tensor] = {}
 
 
@@ -25,12 +28,6 @@ def split_counter(device: torch.device, n: int, owner: str) -> torch.Tensor:
         c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
         _counters[key] = c
     return c
-
-
-def k_slices(n_it: int, want: int) -> int:
-    """The split count to launch for `want` slices of n_it K iterations: at most n_it, and no slice left empty
-    (every slice gets cdiv(n_it, split) iterations, the last at least one)."""
-    return triton.cdiv(n_it, triton.cdiv(n_it, max(1, min(want, n_it))))
 
 
 @triton.jit

@@ -141,6 +141,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def k_slices(n_it: int, want: int) -> int:
+    """The split count to launch for `want` slices of n_it K iterations: at most n_it, and no slice left empty
+    (every slice gets cdiv(n_it, split) iterations, the last at least one)."""
+    return _cdiv(n_it, _cdiv(n_it, max(1, min(want, n_it))))
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -249,8 +255,7 @@ def gluon_decode_candidates(n: int, k: int) -> list[GemmConfig]:
             per_sm = min(SMEM_PER_SM // smem, 65536 // (128 * regs))
             splits = set()
             for aim in _GLUON_DECODE_PER_SM:
-                want = max(1, min(round(aim * NUM_SMS / tiles), n_st))
-                split = _cdiv(n_st, _cdiv(n_st, want))     # what splitk.k_slices launches: no empty slice
+                split = k_slices(n_st, round(aim * NUM_SMS / tiles))     # what the kernel launches
                 if tiles * split <= per_sm * NUM_SMS:
                     splits.add(split)
             out += [GemmConfig(64, 8, s, 4, stages, swap_ab=True, kgroups=boxes, gluon=True, pdl=pdl,

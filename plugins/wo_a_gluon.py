@@ -24,7 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait, _load_boxes
-from dsflash.plugins.splitk import decode_ws_tokens, k_slices, split_counter, splitk_store_rows_tokens
+from dsflash.plugins.splitk import decode_ws_tokens, split_counter, splitk_store_rows_tokens
+from dsflash.plugins.tuning import k_slices
 
 BOX = 64    # K per TMA box: one 128-byte BF16 row, the widest swizzle
 TILE_ROWS = 64    # weight rows per program (one wgmma M)

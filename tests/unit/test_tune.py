@@ -405,7 +405,7 @@ def test_gluon_decode_candidates_are_one_resident_wave(n, k):
     assert cands and len(set(cands)) == len(cands)
     for c in cands:
         n_st = -(-k // (tuning.GLUON_BLOCK_K * c.kgroups))
-        assert -(-n_st // -(-n_st // c.split_k)) == c.split_k                      # splitk.k_slices keeps it
+        assert -(-n_st // -(-n_st // c.split_k)) == c.split_k                      # tuning.k_slices keeps it
         per_sm = tuning.SMEM_PER_SM // (tuning.gluon_decode_smem(c.kgroups, c.num_stages, c.quant_in_kernel) + 1024)
         assert tiles * c.split_k <= per_sm * tuning.NUM_SMS, c.tag()
     ring = [c for c in cands if (c.kgroups, c.num_stages) == (1, 3) and not (c.pdl or c.quant_in_kernel)]
