@@ -11,6 +11,7 @@ Parity of every config against `moe_experts_ref` on the first routing. Writes `-
     python3 benchmarks/moe_split_sweep.py --out moe_split_sweep.json [--shapes ep8,tp1,tp8] [--ms 1,3,8]
         [--variants default]   # only the default config (and its w2 in one K slice): an A/B of two kernel versions
         [--variants near]      # the default and its neighbours (one more K slice or pipeline stage)
+        [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, depths 2-3
 """
 import argparse
 import dataclasses
@@ -27,6 +28,12 @@ from dsflash.plugins.timing import graph_time_us
 
 def variants(shape: str, m: int, base: M.MoeConfig, which: str) -> list[M.MoeConfig]:
     out = [base]
+    if which == "tc":        # the tensor-core w13 (`moe_tc`) at K slices and weight-chunk depths, against the default
+        from dsflash.plugins.moe_tc import tc_fits
+        if base.acc16 and tc_fits(base_ipad(shape), B.HIDDEN):
+            out += [dataclasses.replace(base, tc13=True, split13=s, stages=st) for s in (2, 3, 4, 8)
+                    for st in (2, 3)]
+        return out
     if which == "default":   # the default and, for the Triton w2, its one-slice form (the A/B of kernel changes)
         return out if base.rows2 else list(dict.fromkeys(out + [dataclasses.replace(base, split2=1)]))
     if which == "near":      # the default's neighbours: one more K slice in either GEMV, one more pipeline stage
@@ -45,12 +52,16 @@ def variants(shape: str, m: int, base: M.MoeConfig, which: str) -> list[M.MoeCon
     return list(dict.fromkeys(out))
 
 
+def base_ipad(shape: str) -> int:
+    return next(ipad for tp, _, ipad, _ in B.MOE_SHAPES if tp == shape)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="ep8,tp1,tp8")
     ap.add_argument("--ms", default="1,3,8")
-    ap.add_argument("--variants", default="all", choices=["all", "default", "near"])
+    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc"])
     a = ap.parse_args()
     only, ms = set(a.shapes.split(",")), [int(x) for x in a.ms.split(",")]
     dev = "cuda"

@@ -1,6 +1,7 @@
 """Driver for Nsight Compute profiles of the decode kernels (issue 6): it launches each kernel twice.
 
-- `moe`: the MXFP4 MoE decode GEMVs (w13 + SwiGLU, w2) on one TP8 rank (I 288 -> 320) at M = 3 and 8, default configs.
+- `moe`: the MXFP4 MoE decode GEMVs (w13 + SwiGLU, w2) on one TP8 rank (I 288 -> 320) at M = 3 and 8, default configs
+  (`--tc13 S,D`: then also with the tensor-core w13 at S K slices, D chunks in flight).
 - `gemm`: the dense FP8 decode GEMM at M = 8 on the TP1 shapes of >= 16 MB with the swap-AB MMA configs the tuner
   picks there (BF16-dequant, 128 K per iteration), and the plain FP8-MMA config for comparison.
 - `prefill`: the Gluon large-M FP8 GEMM (`fp8_gemm_gluon`, the config the tuner picked at M = 4096 in session 5) on
@@ -13,6 +14,7 @@ On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -28,7 +30,7 @@ GEMM_CASES = [(4608, 5120, tuning.GemmConfig(128, 16, 8, 4, 4, swap_ab=True, deq
               (32768, 1280, tuning.GemmConfig(128, 16, 1, 4, 8, swap_ab=True))]
 
 
-def run_moe(g: torch.Generator) -> None:
+def run_moe(g: torch.Generator, tc13: tuple[int, int] | None = None) -> None:
     gw = (torch.randn(E, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
     bias = torch.randn(E, device=DEV, generator=g) * 0.05
     w13_q = torch.randint(-128, 128, (E, 2 * IPAD, D // 2), dtype=torch.int8, device=DEV, generator=g)
@@ -41,9 +43,10 @@ def run_moe(g: torch.Generator) -> None:
         cfg = M.default_moe_config(m, TOPK, E, IPAD, D)
         w, ids, xq = M.router(x, gw, bias, TOPK, 1.5, xq_layout=cfg.xq_layout)
         out = torch.zeros(m, D, device=DEV)
-        for _ in range(2):
-            hp = M.gemv_w13(xq, w, ids, w13_q, w13_s, INTER, 10.0, cfg)
-            M.gemv_w2(hp, ids, w2_q, w2_s, out, cfg)
+        for c in [cfg] + ([dataclasses.replace(cfg, tc13=True, split13=tc13[0], stages=tc13[1])] if tc13 else []):
+            for _ in range(2):
+                hp = M.gemv_w13(xq, w, ids, w13_q, w13_s, INTER, 10.0, c)
+                M.gemv_w2(hp, ids, w2_q, w2_s, out, c)
         torch.cuda.synchronize()
 
 
@@ -72,9 +75,11 @@ def run_prefill() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("moe", "gemm", "prefill"))
+    p.add_argument("--tc13", default="", help="moe: also the tensor-core w13 (`moe_tc`) at 'split,depth'")
     a = p.parse_args()
     if a.what == "moe":
-        run_moe(torch.Generator(device=DEV).manual_seed(3))
+        run_moe(torch.Generator(device=DEV).manual_seed(3),
+                tuple(int(v) for v in a.tc13.split(",")) if a.tc13 else None)
     elif a.what == "gemm":
         run_gemm()
     else:

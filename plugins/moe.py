@@ -945,7 +945,12 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     xp: the activation in `cfg.xq_layout`. With out (fp32 [T, D]) the same launch also sets out to the shared
     expert's output `shared` ([T, D], any float dtype), or to 0 without it. pairs (EP, from `router`): run only the
     listed pairs, on `slots` rows of programs (each runs every slots-th listed pair). qblock: h's quantization
-    block (32; V4: 128, which a tile of bn13 rows must hold whole)."""
+    block (32; V4: 128, which a tile of bn13 rows must hold whole). cfg.tc13: the tensor-core w13 (`moe_tc`, same
+    contract; opt-in, measured slower on the H200)."""
+    if cfg.tc13:   # the tensor-core w13 (Gluon): same contract
+        from dsflash.plugins.moe_tc import gemv_w13_tc
+        assert qblock == QBLOCK, f"{cfg.tag()}: the tensor-core w13 takes 1×32 blocks of h, not {qblock}"
+        return gemv_w13_tc(xp, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, shared, pairs, slots)
     codes, xs = xp if cfg.acc16 else (xp, xp)
     p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2

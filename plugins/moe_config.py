@@ -42,11 +42,15 @@ class MoeConfig:
                             # twin, does not see (it favoured PDL at one TP8 rank's M = 1)
     rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
                             # `rows_fit`), warps2 warps of 16 rows
+    tc13: bool = False      # GEMV w13 on tensor cores (`moe_tc`; acc16, 1×32 blocks, sm_90): 32-row tiles of 128-K
+                            # chunks, split13 K slices, `stages` chunks of weights in flight. Neither a default nor a
+                            # candidate: 1.05-1.3x slower than the CUDA-core GEMV on the H200 (benchmarks/README.md,
+                            # session 20)
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
-        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "")
+        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "") + ("_tc13" if self.tc13 else "")
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
                 f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
 

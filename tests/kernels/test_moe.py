@@ -163,6 +163,8 @@ def test_moe_experts(m, experts, gate):
     if rows_fit(ipad):   # one TP8 rank: w2 with a row per thread pair (Gluon; the default there), with and without PDL
         cfgs += [dataclasses.replace(gemv, acc16=True, rows2=True, warps2=w, split2=1, pdl=pdl)
                  for w, pdl in ((4, True), (2, False))]
+    # the tensor-core w13 (`moe_tc`): one K slice and one chunk in flight, 3 slices and 2 chunks
+    cfgs += [dataclasses.replace(gemv, acc16=True, tc13=True, split13=s, stages=st) for s, st in ((1, 1), (3, 2))]
     ids32 = ids.to(torch.int32)
     for cfg in cfgs:
         out = moe_experts(xq, w, ids32, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)
@@ -264,6 +266,39 @@ def test_moe_w2_rows(warps, pdl):
     assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
 
 
+@pytest.mark.parametrize("split,depth", [(1, 1), (2, 3), (3, 2)])
+def test_moe_w13_tc(split, depth):
+    """The tensor-core w13 (`moe_tc`) against the CUDA-core f16 GEMV's contract: D = 384 (3 chunks of 128 K: a
+    slice shorter than the pipeline depth, slices of 2 and 1 chunks), I = 64 padded to 96 (3 tiles of 32 rows, the
+    last one padding), 3 tokens over 8 experts with an expert shared by two pairs, out started from the shared
+    expert's output; h matches the CUDA-core kernel's, the whole MoE the reference."""
+    from dsflash.plugins.moe import MoeConfig, as_layout, gemv_w13, gemv_w2
+    e, d, inter, ipad, topk = 8, 384, 64, 96, 3
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, ipad, gen)
+    for half in (0, ipad):
+        w13_q[:, half + inter:half + ipad] = 0
+    w2_q[:, :, inter // 2:] = 0
+    x = _x(3, 600)[:, :d].contiguous()
+    ids = torch.tensor([[0, 5, 7], [5, 1, 2], [3, 4, 6]], dtype=torch.int32, device=DEV)
+    w = torch.rand(3, topk, device=DEV, generator=gen)
+    shared = torch.randn(3, d, device=DEV, generator=gen)
+    ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
+    xp = as_layout(refs.fp8_fake_quant_ref(x), "gemv16")
+    base = MoeConfig(True, 32, 128, 64, 64, 4, 3, 16, 4, 1, 1, True)
+    cfg = dataclasses.replace(base, tc13=True, split13=split, stages=depth)
+    out = torch.full((3, d), float("nan"), device=DEV)
+    hq, hs = gemv_w13(xp, w, ids, w13_q, w13_s, inter, LIMIT, cfg, out, shared)
+    assert torch.equal(out, shared)
+    cq, cs = gemv_w13(xp, w, ids, w13_q, w13_s, inter, LIMIT, base)
+    h_tc = hq.float().permute(0, 2, 3, 1).reshape(-1, ipad // 32, 32) * hs[..., None]
+    h_cc = cq.float().permute(0, 2, 3, 1).reshape(-1, ipad // 32, 32) * cs[..., None]
+    assert refs.rel_err(h_tc, h_cc) < 1e-2, refs.rel_err(h_tc, h_cc)
+    assert not bool(h_tc[:, inter // 32:].any())     # the padded rows of h are zero
+    gemv_w2((hq, hs), ids, w2_q, w2_s, out, base)
+    assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
+
+
 # -- expert parallelism: one rank's block of experts, routed over all of them ---------------------------------------
 EP = 8
 LOCAL = E // EP
@@ -321,6 +356,7 @@ def test_moe_expert_parallel(m, experts, gate):
         gemv, dataclasses.replace(gemv, acc16=False, pdl=False), MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)]
     if rows_fit(ipad):
         cfgs.append(dataclasses.replace(gemv, rows2=True, warps2=4, split2=1))
+    cfgs.append(dataclasses.replace(gemv, tc13=True, split13=4, stages=2, pdl=False))
     totals = [torch.zeros(m, D, device=DEV) for _ in range(2 * len(cfgs) + 1)]
     for r in range(EP):
         start, sl = r * LOCAL, slice(r * LOCAL, (r + 1) * LOCAL)

@@ -290,6 +290,20 @@ def test_moe_decode_configs_take_no_pdl():
     assert moe_config.default_moe_config(3, 6, 384, 320, 5120).rows2
 
 
+def test_moe_tensor_core_w13_is_opt_in():
+    """The tensor-core w13 (`moe_tc`, session 20: correct, 1.05-1.3x slower than the GEMV on the H200) is reachable
+    only through an explicit config: its flag shows in the tag and survives tuned.json, old entries read as off, and
+    neither the default rule nor a candidate takes it."""
+    c = dataclasses.replace(moe_config.default_moe_config(3, 6, 384, 320, 5120), tc13=True, split13=3)
+    assert c.tag().endswith("_rows_tc13") and moe_config.MoeConfig.from_dict(c.to_dict()) == c
+    old = {k: v for k, v in c.to_dict().items() if k != "tc13"}
+    assert not moe_config.MoeConfig.from_dict(old).tc13
+    for t in (1, 3, 8, 64, 257):
+        for e, inter, d, ep in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
+            assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).tc13
+            assert not any(c.tc13 for c in moe_config.moe_candidates(t, 6, e, inter, d, ep))
+
+
 def test_moe_gemv_split_counts():
     """The decode GEMVs' K-slice counts are the ones they launch: no slice of cdiv(k_iters, split) steps left empty
     (6 of 20 steps -> 5 slices); an EP8 rank's few pairs split w2 too (session 19: x3 / x3 / x2 at M = 1 / 3 / 8,
