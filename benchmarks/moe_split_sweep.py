@@ -26,11 +26,11 @@ from dsflash.plugins.moe_config import gemv_warps
 from dsflash.plugins.timing import graph_time_us
 
 
-def variants(shape: str, m: int, base: M.MoeConfig, which: str) -> list[M.MoeConfig]:
+def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int) -> list[M.MoeConfig]:
     out = [base]
     if which == "tc":        # the tensor-core w13 (`moe_tc`) at K slices and weight-chunk depths, against the default
         from dsflash.plugins.moe_tc import tc_fits
-        if base.acc16 and tc_fits(base_ipad(shape), B.HIDDEN):
+        if base.acc16 and tc_fits(ipad, B.HIDDEN):
             out += [dataclasses.replace(base, tc13=True, split13=s, stages=st) for s in (2, 3, 4, 8)
                     for st in (2, 3)]
         return out
@@ -50,10 +50,6 @@ def variants(shape: str, m: int, base: M.MoeConfig, which: str) -> list[M.MoeCon
         out += [dataclasses.replace(base, stages=s) for s in (2, 4, 5)]
         out += [dataclasses.replace(base, split13=s) for s in (1, 3, 4)]
     return list(dict.fromkeys(out))
-
-
-def base_ipad(shape: str) -> int:
-    return next(ipad for tp, _, ipad, _ in B.MOE_SHAPES if tp == shape)
 
 
 def main() -> None:
@@ -85,7 +81,7 @@ def main() -> None:
             ref = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, B.MOE_LIMIT, inter,
                                        shared[0])
             nbytes = n_act * b_exp + m * d * 2 + 2 * m * d * 4
-            for c in variants(tp, m, base, a.variants):
+            for c in variants(tp, m, base, a.variants, ipad):
                 def run(i, c=c):
                     return M.moe_experts(routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s,
                                          B.MOE_LIMIT, inter, shared[i], c, ep, lists[i])

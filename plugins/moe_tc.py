@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait
-from dsflash.plugins.moe import _listed_pair, _pair_grid, _pair_perm16, LocalPairs
+from dsflash.plugins.moe import _gemv_pids, _listed_pair, _pair_grid, _pair_perm16, LocalPairs
 from dsflash.plugins.moe_config import MoeConfig
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
@@ -291,18 +291,7 @@ def _moe_w13_tc_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr
     """Grid and pair dispatch as `moe._moe_w13_gemv_kernel` (rows of pairs, 32-row tiles, K slices; COMPACT: the EP
     pair list, PASSES per program row; INIT_OUT 1 / 2: also write out's starting value, zeros / the shared expert's
     output); per pair `_w13_tc_pair`. PDL: launched with programmatic dependent launch (waits for the router)."""
-    if COMPACT:
-        pid0 = gl.program_id(2)
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        n_rows = gl.num_programs(2)
-        n_tiles = gl.num_programs(0)
-    else:
-        pid0 = gl.program_id(0)
-        pid_n = gl.program_id(1)
-        pid_k = gl.program_id(2)
-        n_rows = gl.num_programs(0)
-        n_tiles = gl.num_programs(1)
+    pid0, pid_n, pid_k, n_rows, n_tiles = _gemv_pids(COMPACT)
     if PDL:
         _grid_dependency_wait()
     x_s = gl.allocate_shared_memory(gl.float8e4nv, [MAX_CH, 8, CHUNK], _B_SMEM)
