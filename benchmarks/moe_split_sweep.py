@@ -12,6 +12,7 @@ Parity of every config against `moe_experts_ref` on the first routing. Writes `-
         [--variants default]   # only the default config (and its w2 in one K slice): an A/B of two kernel versions
         [--variants near]      # the default and its neighbours (one more K slice or pipeline stage)
         [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, depths 2-3
+        [--variants unroll]    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
 """
 import argparse
 import dataclasses
@@ -33,6 +34,11 @@ def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int) -> li
         if base.acc16 and tc_fits(ipad, B.HIDDEN):
             out += [dataclasses.replace(base, tc13=True, split13=s, stages=st) for s in (2, 3, 4, 8)
                     for st in (2, 3)]
+        return out
+    if which == "unroll":    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
+        if base.acc16:
+            out += [dataclasses.replace(base, unroll13=True, stages=st) for st in (2, 3, 4)]
+            out += [dataclasses.replace(base, unroll13=True, split13=s) for s in (2, 4) if s != base.split13]
         return out
     if which == "default":   # the default and, for the Triton w2, its one-slice form (the A/B of kernel changes)
         return out if base.rows2 else list(dict.fromkeys(out + [dataclasses.replace(base, split2=1)]))
@@ -57,7 +63,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="ep8,tp1,tp8")
     ap.add_argument("--ms", default="1,3,8")
-    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc"])
+    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc", "unroll"])
     a = ap.parse_args()
     only, ms = set(a.shapes.split(",")), [int(x) for x in a.ms.split(",")]
     dev = "cuda"
@@ -74,7 +80,10 @@ def main() -> None:
         el = e // ep
         w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(el, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
-        b_exp = 2 * ipad * d // 2 + 2 * ipad * d // 32 + d * ipad // 2 + d * ipad // 32
+        # an expert's bytes the op must read (w13's padded rows are skipped; w2's padded columns share sectors),
+        # and the padded count the figures before session 21 used
+        b_exp = 2 * inter * d // 2 + 2 * inter * d // 32 + d * ipad // 2 + d * ipad // 32
+        b_pad = 2 * ipad * d // 2 + 2 * ipad * d // 32 + d * ipad // 2 + d * ipad // 32
         for m in ms:
             base = M.default_moe_config(m, k, el, ipad, d, ep)
             xs, shared, lists, routed, n_act = B.routed_decode_batches(m, gw, bias, el, ep, base.xq_layout, gen, 8)
@@ -88,7 +97,10 @@ def main() -> None:
                 err = refs.rel_err(run(0), ref)
                 us, how = graph_time_us([lambda i=i: run(i) for i in range(len(routed))])
                 row = dict(shape=tp, M=m, config=c.tag(), default=c == base, us=round(us, 2),
-                           pct_copy_bw=round(100 * nbytes / us / 1e3 / copy_gbps, 1), err=err, timing=how,
+                           pct_copy_bw=round(100 * nbytes / us / 1e3 / copy_gbps, 1),
+                           pct_copy_bw_padded=round(100 * (nbytes + n_act * (b_pad - b_exp)) / us / 1e3 / copy_gbps,
+                                                    1),
+                           err=err, timing=how,
                            weight_MB=round(n_act * b_exp / 1e6, 1), active_experts=n_act)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -447,7 +447,9 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
         el = e // ep   # this rank's experts: the first block (expert_start 0)
         w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(el, d, inter, ipad, gen)
         w1 = (w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:])
-        b13 = 2 * ipad * d // 2 + 2 * ipad * d // 32          # one expert's w13 bytes
+        # one expert's w13 bytes the op must read: the rows past `inter` (a TP rank's zero padding) are skipped
+        # (counted until session 20); w2's padded columns share sectors with real ones, so they count
+        b13 = 2 * inter * d // 2 + 2 * inter * d // 32
         b2 = d * ipad // 2 + d * ipad // 32
         for m in ms:
             if time.time() > deadline:

@@ -57,14 +57,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
     ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
-    MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates)
+    MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates, unrolled_steps)
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 from dsflash.plugins.tuning import k_slices
 
 QBLOCK = 32
-# An EP rank's pair-list entry is pair << 16 | local expert (`pair_entry`): the decode GEMVs read one word per pair
-PAIR_SHIFT = tl.constexpr(1 << 16)
+# An EP rank's pair-list entry is pair << PAIR_BITS | local expert (`pair_entry`): the decode GEMVs read one word per
+# pair
+PAIR_BITS = tl.constexpr(16)
+PAIR_SHIFT = tl.constexpr(1 << PAIR_BITS.value)
 
 
 # -- shared helpers ---------------------------------------------------------------------------------------------------
@@ -280,7 +282,9 @@ def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_p
     srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]   # [BN, BK/32]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    # a tile wholly past the logical width (a TP rank's zero padding) reads no weights and stores h = 0
+    k_end = tl.where(pid_n * BLOCK_N >= N_VALID, 0, K)
+    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=NUM_STAGES):
         xt = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
         w1 = tl.load(w13_ptr + wrow + k0 // 2, mask=mn[:, None], other=0)
         s1 = tl.load(s13_ptr + srow + k0 // 32, mask=mn[:, None], other=127)
@@ -470,11 +474,10 @@ def _mx_dot32h(acc, w0, w1, w2, w3, l0, l1, l2, l3, h0, h1, h2, h3, sc):
 
 
 @triton.jit
-def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
-                    ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
-    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks, e8m0 scales s loaded by the
-    caller) with the f16 activation codes (int64 planes 0 and 1 at x_ptrs and x_ptrs + K8, block scales at
-    xs_ptrs). EVEN: no masks."""
+def _mx_gemv16_load(w_ptrs, x_ptrs, K8, xs_ptrs, mw, mb, mn, EVEN: tl.constexpr):
+    """One K step's operands of `_mx_gemv16_dot`: the weight words [ROWS, BW] at w_ptrs, the f16 activation code
+    planes 0 and 1 (int64 [1, BW] at x_ptrs and x_ptrs + K8) and the activation block scales at xs_ptrs. EVEN: no
+    masks."""
     if EVEN:
         w = tl.load(w_ptrs)
         xl = tl.load(x_ptrs[None, :])
@@ -485,6 +488,13 @@ def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
         xl = tl.load(x_ptrs[None, :], mask=mw[None, :], other=0)
         xh = tl.load(x_ptrs[None, :] + K8, mask=mw[None, :], other=0)
         xs = tl.load(xs_ptrs[None, :], mask=mb[None, :], other=0.0)
+    return w, xl, xh, xs
+
+
+@triton.jit
+def _mx_gemv16_dot(acc, w, s, xl, xh, xs, ROWS: tl.constexpr, BW: tl.constexpr):
+    """acc [ROWS, BW/4] += the scaled dot of each row's BW words (BW/4 32-blocks, e8m0 scales s) with the
+    activation codes (`_mx_gemv16_load`)."""
     # the activation rows are loaded 2-D [1, BW] and split like the weight tile, so they land in its layout
     w0, w1, w2, w3 = split4(tl.reshape(w, (ROWS, BW // 4, 2, 2)))
     l0, l1, l2, l3 = split4(tl.reshape(xl, (1, BW // 4, 2, 2)))
@@ -494,8 +504,18 @@ def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
 
 
 @triton.jit
+def _mx_gemv16_step(acc, w_ptrs, s, x_ptrs, K8, xs_ptrs, mw, mb, mn,
+                    ROWS: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
+    """acc [ROWS, BW/4] += one K step (`_mx_gemv16_load`, then `_mx_gemv16_dot`; e8m0 scales s loaded by the
+    caller)."""
+    w, xl, xh, xs = _mx_gemv16_load(w_ptrs, x_ptrs, K8, xs_ptrs, mw, mb, mn, EVEN)
+    return _mx_gemv16_dot(acc, w, s, xl, xh, xs, ROWS, BW)
+
+
+@triton.jit
 def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.constexpr, ROWS: tl.constexpr,
-                 BW: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr):
+                 BW: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr,
+                 UNROLL: tl.constexpr = 0):
     """The decode GEMVs' K loop: [ROWS] fp32 dots of weight rows `rows` of one expert (words at w_e, e8m0 scales at
     s_e) with activation row xi, over K slice pid_k of SPLIT; the activation in the fp32 GEMV layout at x_ptr, or
     (ACC16) as f16 codes at x_ptr with block scales at xs_ptr."""
@@ -512,6 +532,25 @@ def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.
         xrow = x_ptr + xi * (K // 4) + ow                    # int64 view of the f16 codes [2, K/8, 4]
         xsrow = xs_ptr + xi * (K // 32) + ob
         acc = tl.zeros([ROWS, BW // 4], dtype=tl.float32)
+        if UNROLL > 0:
+            # (MoeConfig.unroll13) the slice's UNROLL steps unrolled, each step's operands (weights, scales,
+            # activations) loaded into registers NUM_STAGES steps ahead: no shared-memory staging, no barrier
+            ops = ()
+            for i in tl.static_range(UNROLL):
+                if i < NUM_STAGES:
+                    k8 = k_lo + i * BW
+                    ops = ops + (_mx_gemv16_load(w_e + wrow + k8, xrow + k8, K8, xsrow + k8 // 4, k8 + ow < k_hi,
+                                                 k8 // 4 + ob < k_hi // 4, mn, EVEN)
+                                 + (_mx_scales(srow, k8, k_hi, ob * 4, K8, mn), ), )
+            for i in tl.static_range(UNROLL):
+                if i + NUM_STAGES < UNROLL:
+                    k8 = k_lo + (i + NUM_STAGES) * BW
+                    ops = ops + (_mx_gemv16_load(w_e + wrow + k8, xrow + k8, K8, xsrow + k8 // 4, k8 + ow < k_hi,
+                                                 k8 // 4 + ob < k_hi // 4, mn, EVEN)
+                                 + (_mx_scales(srow, k8, k_hi, ob * 4, K8, mn), ), )
+                w, xl, xh, xs, s = ops[i]
+                acc = _mx_gemv16_dot(acc, w, s, xl, xh, xs, ROWS, BW)
+            return tl.sum(acc, axis=1)
         s = _mx_scales(srow, k_lo, k_hi, ob * 4, K8, mn)
         for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
             s_next = _mx_scales(srow, k8 + BW, k_hi, ob * 4, K8, mn)
@@ -558,7 +597,7 @@ def _listed_pair(list_ptr, s, n):
     loaded whether or not s < count (masked only past the list's n = T·k), so that load and the count's are one round
     trip, not three dependent ones (count, pair, then the pair's id)."""
     v = tl.load(list_ptr + s, mask=s < n, other=0)
-    return v >> 16, (v & 0xFFFF).to(tl.int64)
+    return v >> PAIR_BITS, (v & (PAIR_SHIFT - 1)).to(tl.int64)
 
 
 @triton.jit
@@ -578,7 +617,7 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
                          N, N_VALID, K, TOPK, E, limit, list_ptr, count_ptr, T, SPLIT: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
                          ACC16: tl.constexpr, INIT_OUT: tl.constexpr, COMPACT: tl.constexpr, PASSES: tl.constexpr,
-                         QB: tl.constexpr):
+                         QB: tl.constexpr, UNROLL: tl.constexpr):
     """Pair p = t·k + j, intermediate rows [pid_n·BN, +BN) of w1 and the same rows of w3 (one [2·BN, BK] tile of
     the stacked w13 [E, 2N, K/2]), K slice pid_k of SPLIT: g, u, then the w13 epilogue; h is written in the
     pair-permuted fp32 layout the w2 GEMV reads. With SPLIT > 1 the slices' g|u partials go to an fp32 workspace
@@ -596,7 +635,7 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     if COMPACT:
         if INIT_OUT > 0:
             _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * n_tiles + pid_n) * SPLIT + pid_k,
-                           n_rows * n_tiles * SPLIT, INIT_OUT == 2)
+                           n_rows * n_tiles * SPLIT, INIT_OUT == 2, _init_out_share)
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
             s = pid0 + i * n_rows
@@ -604,7 +643,7 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
             if s < count:
                 _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n,
                           pid_k, n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16,
-                          QB)
+                          QB, UNROLL)
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -614,46 +653,56 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
                                 pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
         if e < E:
             _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
-                      n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB)
+                      n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB,
+                      UNROLL)
 
 
 @triton.jit
 def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
               n_tiles, N, N_VALID, K, TOPK, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr, QB: tl.constexpr):
-    """`_moe_w13_gemv_kernel`'s work for pair p on (local) expert e."""
+              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, ACC16: tl.constexpr, QB: tl.constexpr,
+              UNROLL: tl.constexpr):
+    """`_moe_w13_gemv_kernel`'s work for pair p on (local) expert e. A tile wholly past the logical width N_VALID
+    (the zero rows the converter pads a TP rank's slice with: one 32-row tile of 320 on a TP8 rank) reads no
+    weights: its first K slice writes h = 0 there (w2 reads h's padded columns), the other slices do nothing."""
     t = p // TOPK
     BW: tl.constexpr = BLOCK_K // 8
     K8 = tl.multiple_of(K // 8, 4)        # K % 32 == 0: rows of words start 16-byte aligned
     r = tl.arange(0, 2 * BLOCK_N)
-    rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
-    mn = pid_n * BLOCK_N + r % BLOCK_N < N
-    w_e = w13_ptr + e * 2 * N * K8
-    s_e = s13_ptr + e * 2 * N * (K // 32)
-    gu = _mx_row_dots(w_e, s_e, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64), K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW,
-                      NUM_STAGES, EVEN, ACC16)
-    if SPLIT == 1:
-        _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
+    if pid_n * BLOCK_N >= N_VALID:
+        if pid_k == 0:
+            _w13_epilogue(tl.zeros([2 * BLOCK_N], tl.float32), hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit,
+                          BLOCK_N, ACC16, QB)
     else:
-        tile = p * n_tiles + pid_n
-        wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
-        if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
-            tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N, SPLIT)
-            _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
+        rows = (r // BLOCK_N) * N + pid_n * BLOCK_N + r % BLOCK_N          # w1 rows, then the same w3 rows
+        mn = pid_n * BLOCK_N + r % BLOCK_N < N
+        w_e = w13_ptr + e * 2 * N * K8
+        s_e = s13_ptr + e * 2 * N * (K // 32)
+        gu = _mx_row_dots(w_e, s_e, rows, mn, xp_ptr, xs_ptr, t.to(tl.int64), K, K8, pid_k, SPLIT, 2 * BLOCK_N, BW,
+                          NUM_STAGES, EVEN, ACC16, UNROLL)
+        if SPLIT == 1:
+            _w13_epilogue(gu, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
+        else:
+            tile = p * n_tiles + pid_n
+            wsp = ws_ptr + tile.to(tl.int64) * SPLIT * 2 * BLOCK_N
+            if splitk_arrive(gu, wsp, r, r >= 0, cnt_ptr, tile, pid_k, SPLIT, 2 * BLOCK_N):
+                tot = splitk_total(wsp, r, r >= 0, cnt_ptr, tile, SPLIT, 2 * BLOCK_N, SPLIT)
+                _w13_epilogue(tot, hp_ptr, hs_ptr, topw_ptr, p, pid_n, N, N_VALID, limit, BLOCK_N, ACC16, QB)
 
 
 @triton.jit
-def _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, COPY: tl.constexpr):
-    """Program i of n writes its share of all T rows of out (`_init_out_share`): n // T programs per row, or whole
-    rows i, i + n, ... when there are fewer programs than rows."""
+def _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, COPY: tl.constexpr, SHARE: tl.constexpr):
+    """Program i of n writes its share of all T rows of out (SHARE: `_init_out_share`, or the Gluon kernels' own,
+    which has layouts): n // T programs per row, or whole rows i, i + n, ... when there are fewer programs than rows.
+    (Scalar-only, so the Gluon w13 calls it with its SHARE.)"""
     if n >= T:
         per_row = n // T
         t = i // per_row
         if t < T:
-            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, i % per_row, per_row, COPY)
+            SHARE(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, i % per_row, per_row, COPY)
     else:
         for t in range(i, T, n):
-            _init_out_share(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, 0, 1, COPY)
+            SHARE(out_ptr, sh_ptr, t.to(tl.int64), D, stride_o, stride_sh, 0, 1, COPY)
 
 
 @triton.jit
@@ -982,8 +1031,10 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
         BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, INIT_OUT=init,
-        COMPACT=pairs is not None, PASSES=passes, QB=qblock, num_warps=cfg.warps, launch_pdl=cfg.pdl)
+        COMPACT=pairs is not None, PASSES=passes, QB=qblock, UNROLL=unrolled_steps(cfg, d, split, even),
+        num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
+
 
 
 def _pair_grid(ids: torch.Tensor, pairs: LocalPairs | None, slots: int, tiles: int, split: int):

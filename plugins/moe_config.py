@@ -42,6 +42,8 @@ class MoeConfig:
                             # twin, does not see (it favoured PDL at one TP8 rank's M = 1)
     rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
                             # `rows_fit`), warps2 warps of 16 rows
+    unroll13: bool = False  # GEMV w13 (acc16): each K slice unrolled, its steps' weights, scales and activations
+                            # loaded into registers `stages` steps ahead (no shared-memory staging, no barrier)
     tc13: bool = False      # GEMV w13 on tensor cores (`moe_tc`; acc16, 1×32 blocks, sm_90): 32-row tiles of 128-K
                             # chunks, split13 K slices, `stages` chunks of weights in flight. Neither a default nor a
                             # candidate: 1.05-1.3x slower than the CUDA-core GEMV on the H200 (benchmarks/README.md,
@@ -50,7 +52,8 @@ class MoeConfig:
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
-        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "") + ("_tc13" if self.tc13 else "")
+        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "") + ("_tc13" if self.tc13 else "") \
+            + ("_u13" if self.unroll13 else "")
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
                 f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
 
@@ -100,6 +103,18 @@ def local_pair_slots(pairs: int, ep: int) -> int:
         return pairs
     mean = pairs / ep
     return max(1, min(pairs, math.ceil(mean + 2 * math.sqrt(mean)) + 1))
+
+
+UNROLL_MAX_STEPS = 8   # (20 unrolled steps, one TP8 rank's M = 8 in one slice, ran 1.5x slower: code size)
+
+
+def unrolled_steps(cfg: MoeConfig, dim: int, split: int, even: bool) -> int:
+    """The K steps per slice the decode w13 GEMV unrolls (`MoeConfig.unroll13`), 0 for its pipelined loop: only f16
+    tiles whose slices all hold the same whole number of steps, at most UNROLL_MAX_STEPS, unroll."""
+    steps = dim // cfg.bk13
+    if not (cfg.unroll13 and cfg.gemv and cfg.acc16 and even and steps % split == 0):
+        return 0
+    return steps // split if steps // split <= UNROLL_MAX_STEPS else 0
 
 
 def rows_fit(inter: int) -> bool:
@@ -211,6 +226,14 @@ def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep:
                 dataclasses.replace(d, split13=min(6, 4 * d.split13)),
                 _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
                 _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
+        if d.acc16:   # w13 slices unrolled with register prefetch, where a slice is short (`unrolled_steps`): up to
+            # 5 % faster at one EP8 rank's M = 1 and one TP8 rank's M = 3, slower elsewhere (session 21,
+            # benchmarks/moe_unroll_s21_h200.json)
+            for c in (dataclasses.replace(first, unroll13=True, stages=2),
+                      dataclasses.replace(first, unroll13=True, split13=min(6, 2 * first.split13))):
+                even = dim % c.bk13 == 0 and inter % c.bn13 == 0
+                if unrolled_steps(c, dim, k_slices(dim // c.bk13, c.split13), even):
+                    out.append(c)
     # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
     # at TP8 M = 1 / 3 / 8; w2 with one program per token instead of per pair, benchmarks/moe_w2_by_token_s8_h200.json.)
     return list(dict.fromkeys(out))

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait
-from dsflash.plugins.moe import _gemv_pids, _listed_pair, _pair_grid, _pair_perm16, LocalPairs
+from dsflash.plugins.moe import _gemv_pids, _init_out_rows, _listed_pair, _pair_grid, _pair_perm16, LocalPairs
 from dsflash.plugins.moe_config import MoeConfig
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
@@ -271,19 +271,6 @@ def _init_out_share(out_ptr, sh_ptr, t, D, stride_o, stride_sh, i, n, COPY: gl.c
 
 
 @gluon.jit
-def _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, COPY: gl.constexpr):
-    """Program i of n writes its share of all T rows of out (`moe._init_out_rows`)."""
-    if n >= T:
-        per_row = n // T
-        t = i // per_row
-        if t < T:
-            _init_out_share(out_ptr, sh_ptr, t.to(gl.int64), D, stride_o, stride_sh, i % per_row, per_row, COPY)
-    else:
-        for t in range(i, T, n):
-            _init_out_share(out_ptr, sh_ptr, t.to(gl.int64), D, stride_o, stride_sh, 0, 1, COPY)
-
-
-@gluon.jit
 def _moe_w13_tc_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr, topw_ptr, ws_ptr, cnt_ptr,
                        out_ptr, sh_ptr, D_OUT, stride_o, stride_sh, N, N_VALID, K, K8, KB, TOPK, E, limit, list_ptr,
                        count_ptr, T, SPLIT: gl.constexpr, DEPTH: gl.constexpr, MAX_CH: gl.constexpr,
@@ -298,7 +285,7 @@ def _moe_w13_tc_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr
     if COMPACT:
         if INIT_OUT > 0:
             _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * n_tiles + pid_n) * SPLIT + pid_k,
-                           n_rows * n_tiles * SPLIT, INIT_OUT == 2)
+                           n_rows * n_tiles * SPLIT, INIT_OUT == 2, _init_out_share)
         count = gl.load(count_ptr)
         for i in gl.static_range(PASSES):
             s = pid0 + i * n_rows

@@ -145,7 +145,8 @@ def test_align_layout():
 @pytest.mark.parametrize("m", MS)
 def test_moe_experts(m, experts, gate):
     from dsflash.plugins.moe import MoeConfig, moe_candidates, moe_experts
-    from dsflash.plugins.moe_config import rows_fit
+    from dsflash.plugins.moe_config import rows_fit, unrolled_steps
+    from dsflash.plugins.tuning import k_slices
     tp, inter, ipad, w13_q, w13_s, w2_q, w2_s = experts
     gw, bias = gate
     x = _x(m, 100 + m)
@@ -165,6 +166,11 @@ def test_moe_experts(m, experts, gate):
                  for w, pdl in ((4, True), (2, False))]
     # the tensor-core w13 (`moe_tc`): one K slice and one chunk in flight, 3 slices and 2 chunks
     cfgs += [dataclasses.replace(gemv, acc16=True, tc13=True, split13=s, stages=st) for s, st in ((1, 1), (3, 2))]
+    # the w13 slices unrolled with register prefetch (`unroll13`): prefetch depth below and at the slice's steps
+    unrolled = [dataclasses.replace(gemv, acc16=True, unroll13=True, split13=s, stages=st)
+                for s, st in ((4, 2), (5, 3))]
+    assert any(unrolled_steps(c, D, k_slices(D // c.bk13, c.split13), ipad % c.bn13 == 0) for c in unrolled)
+    cfgs += unrolled
     ids32 = ids.to(torch.int32)
     for cfg in cfgs:
         out = moe_experts(xq, w, ids32, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)
@@ -357,6 +363,7 @@ def test_moe_expert_parallel(m, experts, gate):
     if rows_fit(ipad):
         cfgs.append(dataclasses.replace(gemv, rows2=True, warps2=4, split2=1))
     cfgs.append(dataclasses.replace(gemv, tc13=True, split13=4, stages=2, pdl=False))
+    cfgs.append(dataclasses.replace(gemv, unroll13=True, split13=4, stages=2, pdl=False))   # 5 steps unrolled
     totals = [torch.zeros(m, D, device=DEV) for _ in range(2 * len(cfgs) + 1)]
     for r in range(EP):
         start, sl = r * LOCAL, slice(r * LOCAL, (r + 1) * LOCAL)

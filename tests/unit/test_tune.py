@@ -304,6 +304,29 @@ def test_moe_tensor_core_w13_is_opt_in():
             assert not any(c.tc13 for c in moe_config.moe_candidates(t, 6, e, inter, d, ep))
 
 
+def test_moe_unrolled_w13_is_a_short_slice_candidate():
+    """The w13 GEMV with its K slices unrolled (`unroll13`, session 21: up to 5 % faster at one EP8 rank's M = 1 and
+    one TP8 rank's M = 3, 1.5x slower with 20 steps in a slice) is a build candidate only where a slice holds at most
+    UNROLL_MAX_STEPS whole steps; the kernel keeps its loop for any other config with the flag; no default takes it."""
+    c = dataclasses.replace(moe_config.default_moe_config(3, 6, 384, 320, 5120), unroll13=True, split13=4)
+    assert c.tag().endswith("_rows_u13") and moe_config.MoeConfig.from_dict(c.to_dict()) == c
+    assert not moe_config.MoeConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "unroll13"}).unroll13
+    steps = moe_config.unrolled_steps
+    assert steps(c, 5120, 4, True) == 5 and steps(c, 5120, 2, True) == 0          # 10 steps: the loop
+    assert steps(c, 5120, 3, True) == 0 and steps(c, 5120, 4, False) == 0         # uneven slices, masked tiles
+    assert steps(dataclasses.replace(c, unroll13=False), 5120, 4, True) == 0
+    assert steps(dataclasses.replace(c, acc16=False), 5120, 4, True) == 0
+    for t in (1, 3, 8, 64, 257):
+        for e, inter, d, ep in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
+            assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).unroll13
+            for cand in moe_config.moe_candidates(t, 6, e, inter, d, ep):
+                if cand.unroll13:
+                    split = tuning.k_slices(d // cand.bk13, cand.split13)
+                    assert 0 < steps(cand, d, split, d % cand.bk13 == 0 and inter % cand.bn13 == 0) <= 8, cand.tag()
+    tagged = {t: [c.tag() for c in moe_config.moe_candidates(t, 6, 384, 320, 5120) if c.unroll13] for t in (3, 8)}
+    assert tagged[3] == ["gemv16_13n32k256w4x4_2n256k128w4x1_s3/1_rows_u13"] and tagged[8] == []
+
+
 def test_moe_gemv_split_counts():
     """The decode GEMVs' K-slice counts are the ones they launch: no slice of cdiv(k_iters, split) steps left empty
     (6 of 20 steps -> 5 slices); an EP8 rank's few pairs split w2 too (session 19: x3 / x3 / x2 at M = 1 / 3 / 8,
