@@ -536,20 +536,15 @@ def _mx_row_dots(w_e, s_e, rows, mn, x_ptr, xs_ptr, xi, K, K8, pid_k, SPLIT: tl.
             # (MoeConfig.unroll13) the slice's UNROLL steps unrolled, each step's operands (weights, scales,
             # activations) loaded into registers NUM_STAGES steps ahead: no shared-memory staging, no barrier
             ops = ()
-            for i in tl.static_range(UNROLL):
-                if i < NUM_STAGES:
-                    k8 = k_lo + i * BW
+            for j in tl.static_range(UNROLL + NUM_STAGES):   # load step j, then run step j - NUM_STAGES
+                if j < UNROLL:
+                    k8 = k_lo + j * BW
                     ops = ops + (_mx_gemv16_load(w_e + wrow + k8, xrow + k8, K8, xsrow + k8 // 4, k8 + ow < k_hi,
                                                  k8 // 4 + ob < k_hi // 4, mn, EVEN)
                                  + (_mx_scales(srow, k8, k_hi, ob * 4, K8, mn), ), )
-            for i in tl.static_range(UNROLL):
-                if i + NUM_STAGES < UNROLL:
-                    k8 = k_lo + (i + NUM_STAGES) * BW
-                    ops = ops + (_mx_gemv16_load(w_e + wrow + k8, xrow + k8, K8, xsrow + k8 // 4, k8 + ow < k_hi,
-                                                 k8 // 4 + ob < k_hi // 4, mn, EVEN)
-                                 + (_mx_scales(srow, k8, k_hi, ob * 4, K8, mn), ), )
-                w, xl, xh, xs, s = ops[i]
-                acc = _mx_gemv16_dot(acc, w, s, xl, xh, xs, ROWS, BW)
+                if j >= NUM_STAGES:
+                    w, xl, xh, xs, s = ops[j - NUM_STAGES]
+                    acc = _mx_gemv16_dot(acc, w, s, xl, xh, xs, ROWS, BW)
             return tl.sum(acc, axis=1)
         s = _mx_scales(srow, k_lo, k_hi, ob * 4, K8, mn)
         for k8 in tl.range(k_lo, k_hi, BW, num_stages=NUM_STAGES):
@@ -1031,10 +1026,9 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         o, sh, d, o.stride(0), sh.stride(0),
         ipad, inter, d, ids.shape[1], w13_q.shape[0], float(swiglu_limit), plist, pcount, ids.shape[0], SPLIT=split,
         BLOCK_N=cfg.bn13, BLOCK_K=cfg.bk13, NUM_STAGES=cfg.stages, EVEN=even, ACC16=cfg.acc16, INIT_OUT=init,
-        COMPACT=pairs is not None, PASSES=passes, QB=qblock, UNROLL=unrolled_steps(cfg, d, split, even),
+        COMPACT=pairs is not None, PASSES=passes, QB=qblock, UNROLL=unrolled_steps(cfg, d, ipad),
         num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
-
 
 
 def _pair_grid(ids: torch.Tensor, pairs: LocalPairs | None, slots: int, tiles: int, split: int):

@@ -108,11 +108,16 @@ def local_pair_slots(pairs: int, ep: int) -> int:
 UNROLL_MAX_STEPS = 8   # (20 unrolled steps, one TP8 rank's M = 8 in one slice, ran 1.5x slower: code size)
 
 
-def unrolled_steps(cfg: MoeConfig, dim: int, split: int, even: bool) -> int:
-    """The K steps per slice the decode w13 GEMV unrolls (`MoeConfig.unroll13`), 0 for its pipelined loop: only f16
-    tiles whose slices all hold the same whole number of steps, at most UNROLL_MAX_STEPS, unroll."""
+def unrolled_steps(cfg: MoeConfig, dim: int, inter_pad: int) -> int:
+    """The K steps per slice the decode w13 GEMV unrolls (`MoeConfig.unroll13`) for an expert of hidden `dim` and
+    padded intermediate `inter_pad`, 0 for its pipelined loop: only f16 tiles without masks (whole tiles and steps)
+    whose launched slices (`k_slices`) all hold the same whole number of steps, at most UNROLL_MAX_STEPS, unroll."""
     steps = dim // cfg.bk13
-    if not (cfg.unroll13 and cfg.gemv and cfg.acc16 and even and steps % split == 0):
+    even = inter_pad % cfg.bn13 == 0 and dim % cfg.bk13 == 0
+    if not (cfg.unroll13 and cfg.gemv and cfg.acc16 and even):
+        return 0
+    split = k_slices(steps, cfg.split13)
+    if steps % split:
         return 0
     return steps // split if steps // split <= UNROLL_MAX_STEPS else 0
 
@@ -231,8 +236,7 @@ def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep:
             # benchmarks/moe_unroll_s21_h200.json)
             for c in (dataclasses.replace(first, unroll13=True, stages=2),
                       dataclasses.replace(first, unroll13=True, split13=min(6, 2 * first.split13))):
-                even = dim % c.bk13 == 0 and inter % c.bn13 == 0
-                if unrolled_steps(c, dim, k_slices(dim // c.bk13, c.split13), even):
+                if unrolled_steps(c, dim, inter):
                     out.append(c)
     # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
     # at TP8 M = 1 / 3 / 8; w2 with one program per token instead of per pair, benchmarks/moe_w2_by_token_s8_h200.json.)

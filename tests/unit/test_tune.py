@@ -312,17 +312,17 @@ def test_moe_unrolled_w13_is_a_short_slice_candidate():
     assert c.tag().endswith("_rows_u13") and moe_config.MoeConfig.from_dict(c.to_dict()) == c
     assert not moe_config.MoeConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "unroll13"}).unroll13
     steps = moe_config.unrolled_steps
-    assert steps(c, 5120, 4, True) == 5 and steps(c, 5120, 2, True) == 0          # 10 steps: the loop
-    assert steps(c, 5120, 3, True) == 0 and steps(c, 5120, 4, False) == 0         # uneven slices, masked tiles
-    assert steps(dataclasses.replace(c, unroll13=False), 5120, 4, True) == 0
-    assert steps(dataclasses.replace(c, acc16=False), 5120, 4, True) == 0
+    split = {s: dataclasses.replace(c, split13=s) for s in (2, 3, 4)}
+    assert steps(split[4], 5120, 320) == 5 and steps(split[2], 5120, 320) == 0    # 10 steps: the loop
+    assert steps(split[3], 5120, 320) == 0 and steps(split[4], 5120, 300) == 0    # uneven slices, masked tiles
+    assert steps(dataclasses.replace(c, unroll13=False), 5120, 320) == 0
+    assert steps(dataclasses.replace(c, acc16=False), 5120, 320) == 0
     for t in (1, 3, 8, 64, 257):
         for e, inter, d, ep in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
             assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).unroll13
             for cand in moe_config.moe_candidates(t, 6, e, inter, d, ep):
                 if cand.unroll13:
-                    split = tuning.k_slices(d // cand.bk13, cand.split13)
-                    assert 0 < steps(cand, d, split, d % cand.bk13 == 0 and inter % cand.bn13 == 0) <= 8, cand.tag()
+                    assert 0 < steps(cand, d, inter) <= 8, cand.tag()
     tagged = {t: [c.tag() for c in moe_config.moe_candidates(t, 6, 384, 320, 5120) if c.unroll13] for t in (3, 8)}
     assert tagged[3] == ["gemv16_13n32k256w4x4_2n256k128w4x1_s3/1_rows_u13"] and tagged[8] == []
 
