@@ -11,9 +11,9 @@ turn. Also timed: `hc_mix` alone (what the overlap can hide, two per layer), and
 SwiGLU as torch ops (what the `swiglu` plugin saves), with its w1 and w3 as two GEMMs instead of one over the stacked
 weight (what `Expert.w13_plugin` saves), with the shared expert on a second side stream while the router and the
 routed experts run (the `moe` plugin `mxfp4_overlap`), and that order again with the MoE's decode configs with
-programmatic dependent launch, or with the dense GEMMs' without it (what PDL does in a real decode chain; untuned
-buckets only: the default rules' configs), with the attention's wq_a and wkv as two GEMMs (what
-`Attention.wqkv_a_plugin` saves), with the untuned decode GEMMs quantizing their activation in the kernel, or with
+programmatic dependent launch (both GEMVs, or w2 alone), or with the dense GEMMs' without it (what PDL does in a
+real decode chain; untuned buckets only: the default rules' configs), with the attention's wq_a and wkv as two GEMMs
+(what `Attention.wqkv_a_plugin` saves), with the untuned decode GEMMs quantizing their activation in the kernel, or with
 q_norm and kv_norm as two launches (what `Attention.qkv_norm_plugin` saves). Prints a table, writes `--out` JSON.
 
     python3 benchmarks/mhc_overlap.py --out mhc_overlap_h200.json [--ts 1,4,16,64] [--layers 4]
@@ -40,12 +40,12 @@ RERUNS = 4    # replays of each order compared against the first serial one
 # expert's SwiGLU as the reference's torch ops instead of the fused kernel; separate_w13: overlap, with the shared
 # expert's w1 and w3 as two GEMMs instead of one over the stacked weight (what engines bind); shared_overlap: overlap,
 # with the shared expert on the second side stream, concurrent with the router and routed experts (`mxfp4_overlap`)
-# moe_pdl: shared_overlap with PDL on for the MoE decode configs (off by default); no_pdl: shared_overlap with the
-# dense FP8 GEMMs' default configs without it
+# moe_pdl: shared_overlap with PDL on for the MoE decode configs (off by default); moe_pdl2: the same with only their
+# w2 launched with PDL (`MoeConfig.pdl2`); no_pdl: shared_overlap with the dense FP8 GEMMs' default configs without it
 # separate_qkv_a: shared_overlap with the attention's wq_a and wkv as two GEMMs instead of one over the stacked weight;
 # qa_default: shared_overlap with the untuned Gluon decode GEMMs quantizing their activation in the kernel;
 # separate_norms: shared_overlap with q_norm and kv_norm as two launches instead of one
-ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "no_pdl",
+ORDERS = ("serial", "overlap", "torch_swiglu", "separate_w13", "shared_overlap", "moe_pdl", "moe_pdl2", "no_pdl",
           "separate_qkv_a", "qa_default", "separate_norms")
 
 
@@ -212,16 +212,18 @@ def _with_quant_in_kernel(rule):
     return qa_rule
 
 
-def _with_pdl(module, name: str, pdl: bool):
-    """A default-config rule of `module` (what its `lookup` falls back to, per call) and the same rule with PDL set."""
+def _with_pdl(module, name: str, pdl: bool, field: str = "pdl"):
+    """A default-config rule of `module` (what its `lookup` falls back to, per call) and the same rule with its PDL
+    flag `field` set."""
     rule = getattr(module, name)
-    return rule, lambda *a, **k: dataclasses.replace(rule(*a, **k), pdl=pdl)
+    return rule, lambda *a, **k: dataclasses.replace(rule(*a, **k), **{field: pdl})
 
 
 def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int] = frozenset()) -> list[dict]:
     n_layers = len(blocks)
     from dsflash.plugins import moe_config, tuning
     moe_rule, moe_rule_pdl = _with_pdl(moe_config, "default_moe_config", True)
+    moe_rule_pdl2 = _with_pdl(moe_config, "default_moe_config", True, "pdl2")[1]
     gemm_rule, gemm_rule_no_pdl = _with_pdl(tuning, "default_config", False)
     gemm_rule_qa = _with_quant_in_kernel(gemm_rule)
     rows = []
@@ -245,7 +247,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                     b.attn.wqkv_a_plugin = None if order == "separate_qkv_a" else stacked_qkv
                     b.attn.qkv_norm_plugin = None if order == "separate_norms" else pair
                     b.ffn.plugin.overlap_shared = order not in ("serial", "overlap", "torch_swiglu", "separate_w13")
-                    moe_config.default_moe_config = moe_rule_pdl if order == "moe_pdl" else moe_rule
+                    moe_config.default_moe_config = {"moe_pdl": moe_rule_pdl, "moe_pdl2": moe_rule_pdl2}.get(order,
+                                                                                                          moe_rule)
                     tuning.default_config = {"no_pdl": gemm_rule_no_pdl, "qa_default": gemm_rule_qa}.get(order,
                                                                                                          gemm_rule)
                     Y, p = b(Y, p, att, None)
@@ -281,6 +284,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         ser, ovl = us["serial"] / n_layers, us["overlap"] / n_layers
         sh = us["shared_overlap"] / n_layers
         moe_pdl, dense_no_pdl = us["moe_pdl"] / n_layers, us["no_pdl"] / n_layers
+        moe_pdl2 = us["moe_pdl2"] / n_layers
         sep_qkv, qa = us["separate_qkv_a"] / n_layers, us["qa_default"] / n_layers
         sep_norms = us["separate_norms"] / n_layers
         tsw, sep = us["torch_swiglu"] / n_layers, us["separate_w13"] / n_layers
@@ -294,6 +298,7 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
                "shared_overlap_us_per_layer": round(sh, 2), "saved_by_shared_overlap_us": round(ovl - sh, 2),
                "max_rel_diff_shared_overlap_vs_serial": rel_sh,
                "moe_pdl_us_per_layer": round(moe_pdl, 2), "cost_of_moe_pdl_us": round(moe_pdl - sh, 2),
+               "moe_pdl2_us_per_layer": round(moe_pdl2, 2), "cost_of_moe_pdl2_us": round(moe_pdl2 - sh, 2),
                "no_pdl_us_per_layer": round(dense_no_pdl, 2),
                "cost_of_dense_without_pdl_us": round(dense_no_pdl - sh, 2),
                "separate_qkv_a_us_per_layer": round(sep_qkv, 2), "saved_by_stacked_qkv_a_us": round(sep_qkv - sh, 2),
@@ -305,7 +310,8 @@ def run(args, blocks: list[Block], ts: list[int], replays: int, profile: set[int
         print(f"T={t:3d}  serial {ser:7.1f} µs/layer  overlap {ovl:7.1f}  saved {ser - ovl:5.1f}  "
               f"(2 × hc_mix = {2 * us['hc_mix']:.1f})  rel diff ≤ {rel:.1e} (serial reruns ≤ {rerun:.1e})  "
               f"torch SwiGLU {tsw:.1f}  separate w1/w3 {sep:.1f}  shared expert overlapped {sh:.1f} "
-              f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  dense GEMMs without PDL {dense_no_pdl:.1f}  "
+              f"(rel diff ≤ {rel_sh:.1e})  MoE with PDL {moe_pdl:.1f}  MoE w2 alone with PDL {moe_pdl2:.1f}  "
+              f"dense GEMMs without PDL {dense_no_pdl:.1f}  "
               f"wq_a and wkv apart {sep_qkv:.1f}  in-kernel activation quantization by default {qa:.1f}  "
               f"q_norm and kv_norm apart {sep_norms:.1f}",
               flush=True)
@@ -332,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     tuned = install_tuned(args, blocks, max(ts), a.tune_budget_s) if a.tune_budget_s > 0 else None
     rows = run(args, blocks, ts, a.replays, {int(t) for t in a.profile.split(",") if t})
     print(f"\n{'T':>4} {'serial µs/layer':>16} {'overlap':>9} {'saved':>7} {'2×hc_mix':>9} {'speedup':>8} "
-          f"{'+shared overlap':>16} {'saved':>7} {'MoE PDL':>8} {'dense no PDL':>13} {'wq_a, wkv apart':>16}")
+          f"{'+shared overlap':>16} {'saved':>7} {'MoE PDL':>8} {'w2 PDL':>7} {'dense no PDL':>13} "
+          f"{'wq_a, wkv apart':>16}")
     for r in rows:
         print(f"{r['T']:>4} {r['serial_us_per_layer']:>16.1f} {r['overlap_us_per_layer']:>9.1f} "
               f"{r['saved_us_per_layer']:>7.1f} {2 * r['hc_mix_us']:>9.1f} {r['speedup']:>8.3f} "
               f"{r['shared_overlap_us_per_layer']:>16.1f} {r['saved_by_shared_overlap_us']:>7.1f} "
-              f"{r['moe_pdl_us_per_layer']:>8.1f} {r['no_pdl_us_per_layer']:>13.1f} "
+              f"{r['moe_pdl_us_per_layer']:>8.1f} {r['moe_pdl2_us_per_layer']:>7.1f} {r['no_pdl_us_per_layer']:>13.1f} "
               f"{r['separate_qkv_a_us_per_layer']:>16.1f}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "what": "one decode step of full-size V4.1-Flash blocks of a TP8 rank, CUDA graph; attention core left out",

@@ -1,6 +1,12 @@
 """A/B of decode-MoE GEMV variants that live as environment hooks in a patch, not in the code (GPU).
 
-The hooks (`moe_decode_hooks_s15.patch`, on plugins/moe.py; each off by default) were the session-15 experiments:
+The hooks of `moe_tail_s22.patch` (on plugins/moe.py; off by default), session 22's probe of the split w13's tail:
+- `NO_TAIL=1`: each K slice of a split w13 tile stores its partial and ends: no counter, no slice-order sum, no
+  epilogue (h is not written, so the op's output is wrong: a timing probe only);
+- `NO_TAIL=2`: the counter and the sum as usual, the epilogue (clipped SwiGLU, 1×32 quantization, h) skipped.
+
+The hooks of `moe_decode_hooks_s15.patch` (on the session-15 plugins/moe.py; each off by default) were the session-15
+experiments:
 - `WBLK=r[,SBLK=r]`: the MXFP4 weights (and e8m0 scales) stored in r-row × 128-byte chunks, one K step of r rows
   contiguous, instead of row-major (this harness permutes the tensors to match; w2 only where the Triton GEMV reads it);
 - `PF_SELF=1`: each program asks L2 for its whole weight slice at its start (`cp.async.bulk.prefetch.L2`);
@@ -13,6 +19,11 @@ token count: the `moe_experts` op, w13 alone and w2 alone, and rel err against `
     git apply benchmarks/moe_decode_hooks_s15.patch
     python3 benchmarks/moe_decode_hooks.py --out hooks.json --settings 'base;WBLK=16;WBLK=16,SBLK=16;PF_SELF=1'
     git apply -R benchmarks/moe_decode_hooks_s15.patch
+
+    git apply benchmarks/moe_tail_s22.patch
+    python3 benchmarks/moe_decode_hooks.py --out tail.json --settings 'base;NO_TAIL=1;NO_TAIL=2' \
+        --cases tp8:1,tp8:3,ep8:1,ep8:3,ep8:8
+    git apply -R benchmarks/moe_tail_s22.patch
 """
 from __future__ import annotations
 
@@ -25,8 +36,8 @@ import sys
 
 import torch
 
-CASES = [("tp8", 288, 320, 1, 3), ("tp8", 288, 320, 1, 8), ("ep8", 2304, 2304, 8, 3), ("ep8", 2304, 2304, 8, 8),
-         ("tp1", 2304, 2304, 1, 1), ("tp1", 2304, 2304, 1, 8)]
+SHAPES = {"tp8": (288, 320, 1), "ep8": (2304, 2304, 8), "tp1": (2304, 2304, 1)}   # inter, padded, ep
+CASES = [("tp8", 3), ("tp8", 8), ("ep8", 3), ("ep8", 8), ("tp1", 1), ("tp1", 8)]
 DEV = "cuda"
 D, E, TOPK, LIMIT, SETS = 5120, 384, 6, 10.0, 8   # (TOPK: the bench's MOE_TOPK)
 
@@ -37,7 +48,7 @@ def blocked(q: torch.Tensor, rb: int, c: int) -> torch.Tensor:
     return q.view(e, r // rb, rb, w // c, c).permute(0, 1, 3, 2, 4).contiguous().view(e, r, w)
 
 
-def child(setting: dict) -> None:
+def child(setting: dict, cases: list[tuple[str, int]]) -> None:
     from dsflash.plugins import moe as M
     from dsflash.plugins import refs
     from dsflash.plugins.bench import routed_decode_batches
@@ -47,7 +58,8 @@ def child(setting: dict) -> None:
     gw = (torch.randn(E, D, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     bias = torch.randn(E, device=DEV, generator=gen) * 0.05
     cur = weights = None
-    for tp, inter, ipad, ep, m in CASES:
+    for tp, m in cases:
+        inter, ipad, ep = SHAPES[tp]
         el = E // ep
         if cur != tp:
             gen.manual_seed(11)
@@ -95,20 +107,24 @@ def parse(spec: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(json.loads(sys.argv[2]))
+    if len(sys.argv) > 3 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]), [tuple(c) for c in json.loads(sys.argv[3])])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--settings", default="base;WBLK=16;WBLK=16,SBLK=16;PF_SELF=1;PF_W2=1;PRMT=1",
                     help="';'-separated hook settings, each 'base' or 'NAME=v,...'")
+    ap.add_argument("--cases", default=",".join(f"{s}:{m}" for s, m in CASES),
+                    help="shape:M pairs, shape one of " + ", ".join(SHAPES))
     a = ap.parse_args()
+    cases = [(s, int(m)) for s, m in (c.split(":") for c in a.cases.split(","))]
+    assert all(s in SHAPES for s, _ in cases), f"--cases: shapes are {', '.join(SHAPES)}"
     rows = []
     for spec in a.settings.split(";"):
         s = parse(spec)
         env = dict(os.environ, **{"DSF_" + k: str(v) for k, v in s.items()})
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(s)], env=env, capture_output=True,
-                           text=True)
+        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(s), json.dumps(cases)], env=env,
+                           capture_output=True, text=True)
         rows += [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
         if p.returncode:
             print(spec, "FAILED", p.stderr[-3000:], flush=True)

@@ -13,6 +13,7 @@ Parity of every config against `moe_experts_ref` on the first routing. Writes `-
         [--variants near]      # the default and its neighbours (one more K slice or pipeline stage)
         [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, depths 2-3
         [--variants unroll]    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
+        [--variants pdl2]      # the default and the unrolled w13, each with and without w2 launched by PDL (`pdl2`)
 """
 import argparse
 import dataclasses
@@ -27,7 +28,9 @@ from dsflash.plugins.moe_config import gemv_warps
 from dsflash.plugins.timing import graph_time_us
 
 
-def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int) -> list[M.MoeConfig]:
+def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int,
+             cands: list[M.MoeConfig] = ()) -> list[M.MoeConfig]:
+    """The configs a mode times at one shape and M, the default first; cands: the bucket's build candidates."""
     out = [base]
     if which == "tc":        # the tensor-core w13 (`moe_tc`) at K slices and weight-chunk depths, against the default
         from dsflash.plugins.moe_tc import tc_fits
@@ -40,6 +43,10 @@ def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int) -> li
             out += [dataclasses.replace(base, unroll13=True, stages=st) for st in (2, 3, 4)]
             out += [dataclasses.replace(base, unroll13=True, split13=s) for s in (2, 4) if s != base.split13]
         return out
+    if which == "pdl2":      # w2 launched with PDL, starting in w13's tail (`pdl2`): the default and the unrolled-w13
+        # candidates, each without and with it
+        out += [c for c in cands if c.unroll13 and not c.pdl2]
+        return out + [dataclasses.replace(c, pdl2=True) for c in out]
     if which == "default":   # the default and, for the Triton w2, its one-slice form (the A/B of kernel changes)
         return out if base.rows2 else list(dict.fromkeys(out + [dataclasses.replace(base, split2=1)]))
     if which == "near":      # the default's neighbours: one more K slice in either GEMV, one more pipeline stage
@@ -63,7 +70,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="ep8,tp1,tp8")
     ap.add_argument("--ms", default="1,3,8")
-    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc", "unroll"])
+    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc", "unroll", "pdl2"])
     a = ap.parse_args()
     only, ms = set(a.shapes.split(",")), [int(x) for x in a.ms.split(",")]
     dev = "cuda"
@@ -90,7 +97,7 @@ def main() -> None:
             ref = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, B.MOE_LIMIT, inter,
                                        shared[0])
             nbytes = n_act * b_exp + m * d * 2 + 2 * m * d * 4
-            for c in variants(tp, m, base, a.variants, ipad):
+            for c in variants(tp, m, base, a.variants, ipad, M.moe_candidates(m, k, el, ipad, d, ep)):
                 def run(i, c=c):
                     return M.moe_experts(routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s,
                                          B.MOE_LIMIT, inter, shared[i], c, ep, lists[i])

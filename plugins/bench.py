@@ -514,7 +514,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
                 # the two GEMMs of the decode path on their own (best config; without PDL, which only matters
                 # between different kernels: a launch chained to itself would hold SM slots waiting for its twin)
                 if best_cfg.gemv:
-                    best_cfg = dataclasses.replace(best_cfg, pdl=False)
+                    best_cfg = dataclasses.replace(best_cfg, pdl=False, pdl2=False)
                     xin = xq_in[best_cfg.xq_layout]
                     slots = M.local_pair_slots(p, ep)
                     hps = [M.gemv_w13(xin[i], r[0], r[1], w13_q, w13_s, inter, MOE_LIMIT, best_cfg, None, None,

@@ -750,7 +750,7 @@ def _moe_w2_gemv_kernel(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, N, K, 
     ACC16: h in the f16-code layout (hp codes, hs block scales), the f16-accumulating GEMV. A pair routed to
     another EP rank (id E) is skipped; COMPACT: program row pid_0 runs the listed pairs as `_moe_w13_gemv_kernel`."""
     pid0, pid_n, pid_k, n_rows, n_tiles = _gemv_pids(COMPACT)
-    gdc_wait()                  # launched with PDL (MoeConfig.pdl): the previous kernel's outputs are ready from here
+    gdc_wait()                  # launched with PDL (MoeConfig.pdl, pdl2): the previous kernel's outputs are ready here
     gdc_launch_dependents()
     if COMPACT:
         count = tl.load(count_ptr)
@@ -1049,10 +1049,11 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
     ipad = hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
+    pdl = cfg.pdl or cfg.pdl2
     if cfg.rows2:
         assert cfg.acc16, f"the row-per-thread w2 GEMV reads h as f16 codes (acc16), not {cfg.tag()}"
         from dsflash.plugins.moe_gluon import gemv_w2_rows
-        return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, cfg.pdl)
+        return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, pdl)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = k_slices(triton.cdiv(ipad, cfg.bk2), cfg.split2)
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, triton.cdiv(d, cfg.bn2), split)
@@ -1060,7 +1061,7 @@ def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: 
         hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
         out.stride(0), plist, pcount, ids.shape[0],
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
-        ACC16=cfg.acc16, COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps2, launch_pdl=cfg.pdl)
+        ACC16=cfg.acc16, COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps2, launch_pdl=pdl)
     return out
 
 

@@ -40,6 +40,12 @@ class MoeConfig:
                             # Neither a default nor a candidate: in a decode step it costs 1-3 µs per layer at T = 1-8
                             # (benchmarks/README.md, session 15), which `build`'s timing, a launch chained to its own
                             # twin, does not see (it favoured PDL at one TP8 rank's M = 1)
+    pdl2: bool = False      # GEMV: w2 alone launched with PDL. Its programs become resident once every w13 program has
+                            # started (w13 lets dependents launch at its start), so during w13's last wave and its
+                            # split-K tail; the row-per-thread w2 requests its weights before waiting for h. Neither a
+                            # default nor a candidate: the op alone runs up to 6 % faster, but in a decode step, where
+                            # the shared expert's side stream already fills that tail, it saves nothing at T = 1 / 3
+                            # and costs 2.4 µs per layer at T = 8 (benchmarks/README.md, session 22)
     rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
                             # `rows_fit`), warps2 warps of 16 rows
     unroll13: bool = False  # GEMV w13 (acc16): each K slice unrolled, its steps' weights, scales and activations
@@ -52,8 +58,8 @@ class MoeConfig:
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
-        flags = ("_pdl" if self.pdl else "") + ("_rows" if self.rows2 else "") + ("_tc13" if self.tc13 else "") \
-            + ("_u13" if self.unroll13 else "")
+        flags = ("_pdl" if self.pdl else "") + ("_pdl2" if self.pdl2 else "") + ("_rows" if self.rows2 else "") \
+            + ("_tc13" if self.tc13 else "") + ("_u13" if self.unroll13 else "")
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
                 f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
 

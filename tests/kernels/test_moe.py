@@ -163,6 +163,10 @@ def test_moe_experts(m, experts, gate):
     if rows_fit(ipad):   # one TP8 rank: w2 with a row per thread pair (Gluon; the default there), with and without PDL
         cfgs += [dataclasses.replace(gemv, acc16=True, rows2=True, warps2=w, split2=1, pdl=pdl)
                  for w, pdl in ((4, True), (2, False))]
+    # w2 alone launched with PDL (`pdl2`) after a split w13: the Triton w2, and the row-per-thread one where it fits
+    cfgs += [dataclasses.replace(gemv, acc16=True, split13=3, split2=2, pdl2=True)]
+    if rows_fit(ipad):
+        cfgs += [dataclasses.replace(gemv, acc16=True, split13=3, rows2=True, warps2=4, split2=1, pdl2=True)]
     # the tensor-core w13 (`moe_tc`): one K slice and one chunk in flight, 3 slices and 2 chunks
     cfgs += [dataclasses.replace(gemv, acc16=True, tc13=True, split13=s, stages=st) for s, st in ((1, 1), (3, 2))]
     # the w13 slices unrolled with register prefetch (`unroll13`): prefetch depth below and at the slice's steps
@@ -215,6 +219,18 @@ def test_moe_cuda_graph_and_registry(experts, gate):
     g.replay()
     torch.cuda.synchronize()
     assert refs.rel_err(out, moe(x2, *args, shared)) < 1e-6
+    # w2 alone launched with PDL (`pdl2`) after a split w13, captured and replayed on new inputs
+    from dsflash.plugins.moe import default_moe_config
+    cfg = dataclasses.replace(default_moe_config(1, TOPK, E, ipad, D), split13=4, pdl2=True)
+    want2 = moe(x, *args, shared, config=cfg)
+    assert refs.rel_err(want2, want) < 1e-2
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        out2 = moe(static_x, *args, shared, config=cfg)
+    static_x.copy_(x)
+    g2.replay()
+    torch.cuda.synchronize()
+    assert refs.rel_err(out2, want2) < 1e-6
     y = torch.ops.dsflash.moe(x, gw, bias, TOPK, SCALE, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared)
     assert refs.rel_err(y, want) < 1e-6
     w, ids = torch.ops.dsflash.moe_router(x, gw, bias, TOPK, SCALE)
@@ -363,6 +379,7 @@ def test_moe_expert_parallel(m, experts, gate):
         cfgs.append(dataclasses.replace(gemv, rows2=True, warps2=4, split2=1))
     cfgs.append(dataclasses.replace(gemv, tc13=True, split13=4, stages=2, pdl=False))
     cfgs.append(dataclasses.replace(gemv, unroll13=True, split13=4, stages=2, pdl=False))   # 5 steps unrolled
+    cfgs.append(dataclasses.replace(gemv, pdl=False, pdl2=True))   # w2 alone launched with PDL
     totals = [torch.zeros(m, D, device=DEV) for _ in range(2 * len(cfgs) + 1)]
     for r in range(EP):
         start, sl = r * LOCAL, slice(r * LOCAL, (r + 1) * LOCAL)

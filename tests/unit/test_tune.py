@@ -327,6 +327,20 @@ def test_moe_unrolled_w13_is_a_short_slice_candidate():
     assert tagged[3] == ["gemv16_13n32k256w4x4_2n256k128w4x1_s3/1_rows_u13"] and tagged[8] == []
 
 
+def test_moe_w2_alone_with_pdl_is_opt_in():
+    """w2 alone launched with PDL (`pdl2`, session 22): the op alone up to 6 % faster, but in a decode step, with the
+    shared expert on its side stream, nothing gained at T = 1 / 3 and 2.4 µs per layer lost at T = 8. So it is reached
+    only through an explicit config: its flag shows in the tag and survives tuned.json, old entries read as off, and
+    neither the default rule nor a candidate takes it (nor `pdl`, which launches both GEMVs so)."""
+    c = dataclasses.replace(moe_config.default_moe_config(3, 6, 384, 320, 5120), pdl2=True)
+    assert c.tag().endswith("_pdl2_rows") and moe_config.MoeConfig.from_dict(c.to_dict()) == c
+    assert not moe_config.MoeConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "pdl2"}).pdl2
+    for t in (1, 3, 8, 64, 257):
+        for e, inter, d, ep in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
+            assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).pdl2
+            assert not any(x.pdl2 or x.pdl for x in moe_config.moe_candidates(t, 6, e, inter, d, ep))
+
+
 def test_moe_gemv_split_counts():
     """The decode GEMVs' K-slice counts are the ones they launch: no slice of cdiv(k_iters, split) steps left empty
     (6 of 20 steps -> 5 slices); an EP8 rank's few pairs split w2 too (session 19: x3 / x3 / x2 at M = 1 / 3 / 8,
