@@ -43,9 +43,9 @@ class MoeConfig:
     pdl2: bool = False      # GEMV: w2 alone launched with PDL. Its programs become resident once every w13 program has
                             # started (w13 lets dependents launch at its start), so during w13's last wave and its
                             # split-K tail; the row-per-thread w2 requests its weights before waiting for h. Neither a
-                            # default nor a candidate: the op alone runs up to 6 % faster, but in a decode step, where
-                            # the shared expert's side stream already fills that tail, it saves nothing at T = 1 / 3
-                            # and costs 2.4 µs per layer at T = 8 (benchmarks/README.md, session 22)
+                            # default nor a candidate: the op alone runs up to 6 % faster, but in a decode step (the
+                            # shared expert on its side stream) it saves nothing at T = 1 / 3 and costs 2.4 µs per
+                            # layer at T = 8 (benchmarks/README.md, session 22)
     rows2: bool = False     # GEMV w2 by the row-per-thread-pair Gluon kernel (`moe_gluon`; acc16, short intermediate:
                             # `rows_fit`), warps2 warps of 16 rows
     unroll13: bool = False  # GEMV w13 (acc16): each K slice unrolled, its steps' weights, scales and activations
