@@ -65,23 +65,45 @@ def _copy_row(mb: float, ceil: dict) -> dict:
             "pct_copy_bw": 100 * gbps / ceil["copy_GBps"], "timing": how, "sets": sets}
 
 
-def _read_row(mb: float, ceil: dict, sms: int) -> dict:
-    n = int(mb * 1e6) // 16 * 16              # bytes read
-    sets = input_sets(n)
-    src = [torch.randint(-2 ** 62, 2 ** 62, (n // 8,), dtype=torch.int64, device=DEV) for _ in range(sets)]
-    want = src[0].sum()                       # int64 sums wrap the same way in any order
+PER_SM = (2, 4, 8, 16)   # programs resident at once, or a few waves of short chunks
+
+
+class ReadSets:
+    """Rotating int64 input sets of about `mb` MB (whole 16-byte vectors) for `read_sum`, and per programs-per-SM
+    choice of PER_SM the sums buffer its grid fills (each grid checked to read every word)."""
+
+    def __init__(self, mb: float, sets: int, sms: int, gen: torch.Generator | None = None):
+        n = int(mb * 1e6) // 16 * 2            # int64 words
+        self.mb = n * 8 / 1e6
+        self.src = [torch.randint(-2 ** 62, 2 ** 62, (n,), dtype=torch.int64, device=DEV, generator=gen)
+                    for _ in range(sets)]
+        self.outs = {k: torch.empty(read_programs(n, k * sms)[0], dtype=torch.int64, device=DEV) for k in PER_SM}
+        want = self.src[0].sum()                   # int64 sums wrap the same way in any order
+        for out in self.outs.values():
+            read_sum(self.src[0], out)
+            assert out.sum() == want, "read kernel: wrong sum"
+
+    def call(self, i: int, per_sm: int) -> None:
+        read_sum(self.src[i], self.outs[per_sm])
+
+
+def best_read_us(make_calls) -> tuple[float, int, str]:
+    """The fastest (µs, programs per SM, timing) over PER_SM; make_calls(per_sm) -> one callable per input set."""
     best = None
-    for per_sm in (2, 4, 8, 16):              # programs resident at once, or a few waves of short chunks
-        out = torch.empty(read_programs(n // 8, per_sm * sms)[0], dtype=torch.int64, device=DEV)
-        read_sum(src[0], out)
-        assert out.sum() == want, "read kernel: wrong sum"
-        us, how = graph_time_us([lambda i=i, o=out: read_sum(src[i], o) for i in range(sets)])
-        if best is None or us < best["us"]:
-            gbps = n / us / 1e3
-            best = {"mode": "read", "MB_moved": n / 1e6, "us": us, "GBps": gbps,
-                    "pct_copy_bw": 100 * gbps / ceil["copy_GBps"], "timing": how, "sets": sets,
-                    "programs_per_sm": per_sm}
+    for per_sm in PER_SM:
+        us, how = graph_time_us(make_calls(per_sm))
+        if best is None or us < best[0]:
+            best = (us, per_sm, how)
     return best
+
+
+def _read_row(mb: float, ceil: dict, sms: int) -> dict:
+    sets = input_sets(int(mb * 1e6) // 16 * 16)
+    r = ReadSets(mb, sets, sms)
+    us, per_sm, how = best_read_us(lambda k: [lambda i=i: r.call(i, k) for i in range(sets)])
+    gbps = r.mb * 1e3 / us
+    return {"mode": "read", "MB_moved": r.mb, "us": us, "GBps": gbps, "pct_copy_bw": 100 * gbps / ceil["copy_GBps"],
+            "timing": how, "sets": sets, "programs_per_sm": per_sm}
 
 
 def main() -> None:

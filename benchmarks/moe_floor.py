@@ -31,10 +31,9 @@ from dsflash.plugins.bench import measure_ceilings
 from dsflash.plugins.timing import graph_time_us, input_sets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from copy_floor import read_programs, read_sum  # noqa: E402
+from copy_floor import ReadSets, best_read_us  # noqa: E402
 
 DEV = "cuda"
-PER_SM = (2, 4, 8, 16)
 TARGET_PCT = 60.0
 
 
@@ -55,44 +54,22 @@ def decode_rows(kernels: dict) -> list[dict]:
     return out
 
 
-class Reader:
-    """Rotating int64 input sets of `mb` MB and, per programs-per-SM choice, the sums buffer `read_sum` fills."""
-
-    def __init__(self, mb: float, sets: int, sms: int, gen: torch.Generator):
-        n = int(mb * 1e6) // 16 * 2            # int64 words, whole 16-byte vectors
-        self.mb = n * 8 / 1e6
-        self.src = [torch.randint(-2 ** 62, 2 ** 62, (n,), dtype=torch.int64, device=DEV, generator=gen)
-                    for _ in range(sets)]
-        self.outs = {k: torch.empty(read_programs(n, k * sms)[0], dtype=torch.int64, device=DEV) for k in PER_SM}
-        want = self.src[0].sum()
-        for out in self.outs.values():            # each grid really reads every word
-            read_sum(self.src[0], out)
-            assert out.sum() == want, "read kernel: wrong sum"
-
-    def call(self, i: int, per_sm: int) -> None:
-        read_sum(self.src[i], self.outs[per_sm])
-
-
-def best_us(make_calls) -> tuple[float, object]:
-    """The fastest (µs, choice) over the programs-per-SM choices; make_calls(choice) -> one callable per input set."""
-    best = None
-    for choice in PER_SM:
-        us, how = graph_time_us(make_calls(choice))
-        assert how == "graph", "the floors are graph-replayed timings, like every kernel row"
-        if best is None or us < best[0]:
-            best = (us, choice)
-    return best
+def best_graph_us(make_calls) -> tuple[float, int]:
+    """`copy_floor.best_read_us`, asserting the graph-replayed timing every kernel row uses."""
+    us, per_sm, how = best_read_us(make_calls)
+    assert how == "graph", "the floors are graph-replayed timings, like every kernel row"
+    return us, per_sm
 
 
 def floor_row(row: dict, copy_gbps: float, sms: int, gen: torch.Generator) -> dict:
     a_mb, b_mb = row["w13_MB"], row["w2_MB"]
     sets = input_sets(min(a_mb, b_mb) * 1e6)   # enough sets that even the smaller read comes from HBM
-    a, b, ab = (Reader(mb, sets, sms, gen) for mb in (a_mb, b_mb, a_mb + b_mb))
-    t_a, k_a = best_us(lambda k: [lambda i=i: a.call(i, k) for i in range(sets)])
-    t_b, k_b = best_us(lambda k: [lambda i=i: b.call(i, k) for i in range(sets)])
+    a, b, ab = (ReadSets(mb, sets, sms, gen) for mb in (a_mb, b_mb, a_mb + b_mb))
+    t_a, k_a = best_graph_us(lambda k: [lambda i=i: a.call(i, k) for i in range(sets)])
+    t_b, k_b = best_graph_us(lambda k: [lambda i=i: b.call(i, k) for i in range(sets)])
     # the two reads back to back, each with its own best grid: w2's launch starts when w13's has finished
     t_two, _ = graph_time_us([lambda i=i: (a.call(i, k_a), b.call(i, k_b)) for i in range(sets)])
-    t_one, _ = best_us(lambda k: [lambda i=i: ab.call(i, k) for i in range(sets)])
+    t_one, _ = best_graph_us(lambda k: [lambda i=i: ab.call(i, k) for i in range(sets)])
     total = a.mb + b.mb
 
     def pct(us: float) -> float:

@@ -23,7 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SMS = 132
+from dsflash.plugins.tuning import NUM_SMS as SMS
+
 ISSUE_PER_CLK = 4          # one warp instruction per SM sub-partition per clock
 TARGET = 0.70              # the issue's line: 70 % of _scaled_mm
 _LINE = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[^ ;]*)?\s*([^;]*);")
