@@ -1,0 +1,523 @@
+"""Group-32 FP8 GEMM for large M as a hand-written CUDA kernel on Hopper wgmma (sm_90a), compiled at run time.
+
+y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ)·sa[m, kb]·sw[n/32, kb], fp32 promotion every 32 K: the contract and numerics
+of `fp8_gemm._fp8_gemm_g32_kernel` (the same m64nNk32 e4m3 MMAs, one FFMA per accumulator element and 32 K).
+
+Not a build candidate yet: it is the measured CUDA attempt at the per-32 promotion bound (benchmarks/README.md,
+"Session 23"), with its bench (`benchmarks/gemm_sm90.py`), an offline build check (no spills, no serialised wgmma)
+and a GPU parity test. Structure:
+- each warpgroup keeps `depth` MMA partials: the MMA of K block t + 1 runs while block t is folded
+  (wgmma.wait_group depth - 1); the K loop is generated straight-line (`_main_loop`);
+- the scales come in fp32 (A per 1×32, from `act_quant(x, "fp32")`; W per 32×32, `weight_scales_f32`) in the same
+  ring slot as the tiles, read one K block ahead, so a fold's scale product is one FMUL per (row, column block);
+- the ring is filled by TMA (`tma`: one thread per CTA, an mbarrier per slot, one CTA barrier per stage)
+  or by every thread's cp.async into the 128-byte swizzle wgmma reads (one CTA barrier per 128-K stage).
+Tile: BM = 64·WGS rows (one warpgroup per 64), BN columns (64/96/128; 128 with TMA), 128 K per ring slot, STAGES
+slots. Compiled by NVRTC (`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per
+configuration and process; launched with cuLaunchKernel on the current stream (no allocation, no host sync; the TMA
+descriptors are kernel parameters, encoded on the host per call).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsflash.plugins.refs import E4M3, E8M0, QBLOCK
+
+BLOCK_K = 128   # K per ring slot: 4 MMAs of k32, 4 promotions
+
+
+def _wgmma_asm(name: str = "mma_fresh", scale_d: int = 0, n: int = 128) -> str:
+    """The m64{n}k32 e4m3 MMA as an inline-asm function: into a fresh partial (scale-d = 0) or accumulating
+    (scale-d = 1). The registers are an in-out operand so they stay put from one MMA to the next (no copies while an
+    MMA is in flight)."""
+    r = n // 2
+    regs = ", ".join(f"%{i}" for i in range(r))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+    head = f"__device__ __forceinline__ void {name}(float (&d)[{r}], unsigned long long da, unsigned long long db) {{\n"
+    return (head
+            + f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+            + f'    "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, %{r}, %{r + 1}, p, 1, 1;\\n}}\\n"\n'
+            + f"    : {outs}\n"
+            + f'    : "l"(da), "l"(db), "r"({scale_d}));\n'
+            + "}\n")
+
+
+def _main_loop(depth: int, body: int) -> str:
+    """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
+    rotation. K block t is folded after MMA t + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
+    last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
+    A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
+    iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's wait and fold."""
+    def code(n_st: int, last: bool) -> list[str]:
+        n_t = 4 * n_st
+        blk = lambda t: f"block_of(ring + ((s + {t // 4}) % STAGES) * SLOT, {t % 4}, a_off, sa_off)"
+        out = [f"issue(p{t % depth}, {blk(t)});" for t in range(min(depth - 1, n_t))]
+        out.append(f"Scales c1, c0 = scales_of({blk(0)}.sa, {blk(0)}.sw);")
+        for t in range(n_t):
+            u = t + depth - 1
+            if u < n_t:
+                if u % 4 == 0:
+                    out.append(f"next_stage(g, ring, s + {u // 4}, n_st, tid);")
+                out.append(f"issue(p{u % depth}, {blk(u)});")
+                if u == n_t - 1 and not last:
+                    out.append(f"if (s + {n_st} < n_st) next_stage(g, ring, s + {n_st}, n_st, tid);")
+            if t + 1 < n_t:
+                out.append(f"{{ const Block b = {blk(t + 1)}; c{(t + 1) % 2} = scales_of(b.sa, b.sw); }}")
+            out.append(f"mma_wait<{min(depth - 1, n_t - 1 - t)}>();")
+            out.append(f"fold(acc, p{t % depth}, c{t % 2});")
+        return out
+    ind = "\n    "
+    src = [f"  int s = 0;\n  for (; s + {body} <= n_st; s += {body}) {{{ind}" + ind.join(code(body, False)) + "\n  }"]
+    if body > 1:
+        src.append("  switch (n_st - s) {")
+        for r in range(1, body):
+            src.append(f"  case {r}: {{{ind}" + ind.join(code(r, True)) + f"{ind}break;\n  }}")
+        src.append("  default: break;\n  }")
+    return "\n".join(src) + "\n"
+
+
+_PTX_HELPERS = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void cp16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void mma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ float lds(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void lds4(u32 addr, float (&v)[4]) {
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(addr));
+}
+// K-major operand tile, rows of 128 bytes in the 128-byte swizzle (8-row atoms of 1024 bytes).
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+"""
+
+_SOURCE = r"""
+#define BM (64 * WGS)
+#define PR (BN / 2)   // fp32 registers per thread of an m64 x BN accumulator
+#define BK 128
+#define NT (128 * WGS)
+#define SLOT_A (BM * BK)
+#define SLOT_W (BN * BK)
+#define SLOT_SA (BM * 16)
+#define SLOT_SW 64
+#define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + 1023) / 1024 * 1024)   // slots start on 1024-byte boundaries
+
+PTX_HELPERS
+MMA_FRESH
+
+#if TMA
+// TMA: one thread requests a slot's four boxes (A and W tiles in the 128-byte swizzle, zero-filled past the
+// tensor ends; the fp32 scale boxes) on the slot's mbarrier; every thread waits on that barrier's phase.
+struct __align__(64) TmaDesc {
+  u64 v[16];
+};
+struct Args {
+  const TmaDesc *a, *w, *sa, *sw;
+  u32 bars;   // STAGES mbarriers, 8 bytes apart
+  int m0, n0;
+};
+__device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+               :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void load_slot(const Args& g, u32 slot, int s, int tid) {
+  if (tid != 0) return;
+  const u32 bar = g.bars + (s % STAGES) * 8;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               :: "r"(bar), "r"(SLOT_A + SLOT_W + SLOT_SA + SLOT_SW) : "memory");
+  tma_2d(slot, g.a, s * BK, g.m0, bar);
+  tma_2d(slot + SLOT_A, g.w, s * BK, g.n0, bar);
+  tma_2d(slot + SLOT_A + SLOT_W, g.sa, s * 4, g.m0, bar);
+  tma_2d(slot + SLOT_A + SLOT_W + SLOT_SA, g.sw, g.n0 >> 5, s * 4, bar);
+}
+__device__ __forceinline__ void wait_stage(const Args& g, int j) {
+  const u32 bar = g.bars + (j % STAGES) * 8, parity = (j / STAGES) & 1;
+  u32 done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  }
+}
+// Stage j resident: its barrier's phase completed. Loads issued: the warps reconverge (thread 0 issued them), since
+// the wgmma instructions that follow are .aligned (a diverged warp executing one is an illegal instruction).
+__device__ __forceinline__ void stage_ready(const Args& g, int j) { wait_stage(g, j); }
+__device__ __forceinline__ void loads_issued() { __syncwarp(); }
+
+#else
+// The kernel's arguments and the CTA's tile origin, which every slot load reads (kept as arguments, not
+// per-thread registers: the loop holds 192 accumulator registers).
+struct Args {
+  const unsigned char* A;
+  const float* SA;
+  const unsigned char* W;
+  const float* SW;
+  int M, N, K, lda, ldsa, ldsw, m0, n0;
+};
+
+// One ring slot: A rows [m0, m0 + BM), W rows [n0, n0 + BN) over K [k0, k0 + 128), and their fp32 scales
+// (sa [row][4 K blocks], sw [K block][4 column blocks]); rows and K past the ends are zero-filled (a chunk that
+// copies 0 bytes reads nothing, so its source is only clamped to a valid row).
+__device__ __forceinline__ void load_slot(const Args& g, u32 slot, int s, int tid) {
+  const int k0 = s * BK, r = tid >> 3, c = tid & 7;
+  const bool k_ok = k0 + c * 16 < g.K;
+  const u32 dst = slot + r * 128 + ((c ^ (r & 7)) << 4);
+#pragma unroll
+  for (int j = 0; j < BM * 8 / NT; ++j) {
+    const int row = g.m0 + r + j * (NT / 8);
+    const bool ok = k_ok && row < g.M;
+    cp16(dst + j * (NT / 8) * 128, g.A + (long long)(ok ? row : 0) * g.lda + k0 + c * 16, ok ? 16 : 0);
+  }
+#pragma unroll
+  for (int j = 0; j < BN * 8 / NT; ++j) {
+    const int row = g.n0 + r + j * (NT / 8);
+    const bool ok = k_ok && row < g.N;
+    cp16(dst + SLOT_A + j * (NT / 8) * 128, g.W + (long long)(ok ? row : 0) * g.K + k0 + c * 16, ok ? 16 : 0);
+  }
+  if (tid < BM) {   // ldsa is a multiple of 4 (the wrapper pads): a slot's 4 row scales are one 16-byte chunk
+    const int row = g.m0 + tid;
+    const bool ok = row < g.M && s * 4 < g.ldsa;
+    cp16(slot + SLOT_A + SLOT_W + tid * 16, g.SA + (ok ? (long long)row * g.ldsa + s * 4 : 0), ok ? 16 : 0);
+  } else if (tid < BM + 16) {
+    const int e = tid - BM, kb = e >> 2, nb = (g.n0 >> 5) + (e & 3);
+    const bool ok = nb < ((g.N + 31) >> 5) && s * 4 + kb < g.ldsw;
+    cp4(slot + SLOT_A + SLOT_W + SLOT_SA + e * 4, g.SW + (ok ? (long long)nb * g.ldsw + s * 4 + kb : 0), ok ? 4 : 0);
+  }
+}
+
+// Stage j resident: every thread's copies landed and are visible to the async proxy. Loads issued: one group.
+__device__ __forceinline__ void stage_ready(const Args&, int) {
+  cp_wait<STAGES - 3>();
+  fence_async_smem();
+}
+__device__ __forceinline__ void loads_issued() { cp_commit(); }
+
+#endif
+
+// Stage j resident in every warp; after a CTA barrier (every warp is past stage j - 2, whose MMAs are complete) the
+// slot of stage j - 2 takes stage j + STAGES - 2.
+__device__ __forceinline__ void next_stage(const Args& g, u32 ring, int j, int n_st, int tid) {
+  stage_ready(g, j);
+  __syncthreads();
+  const int sl = j + STAGES - 2;
+#ifdef PROBE_NO_LOAD   // timing probe: MMAs and folds on the slots the prologue filled
+  if (sl < STAGES) load_slot(g, ring + (sl % STAGES) * SLOT, sl, tid);
+#else
+  if (sl < n_st) load_slot(g, ring + (sl % STAGES) * SLOT, sl, tid);
+#endif
+  loads_issued();
+}
+
+// acc += p * s with acc updated in its own register: left to itself the allocator renames accumulators from fold
+// to fold and runs out of registers next to the two 64-register MMA partials.
+__device__ __forceinline__ void ffma_inplace(float& acc, float p, float s) {
+  asm("fma.rn.f32 %0, %1, %2, %0;\n" : "+f"(acc) : "f"(p), "f"(s));
+}
+
+// acc += p * (sa_row ⊗ sw_block), one FFMA per element. sa: the thread's first row's scale of a K block (the
+// row 8 below is 128 bytes further), sw: the K block's column-block scales. n8 group j of the m64nBN layout is
+// column block j / 4; registers 4j, 4j+1 are on the thread's first row, 4j+2, 4j+3 eight rows below. The scales
+// are read one K block ahead (`Scales`), so the shared loads are not waited for next to the wgmma operand reads.
+// The scales a thread folds one K block with: its two rows' sa and the tile's column-block sw.
+struct Scales {
+  float a0, a1, w[4];
+};
+__device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
+  Scales c;
+  c.a0 = lds(sa);
+  c.a1 = lds(sa + 8 * 16);
+  lds4(sw, c.w);
+  return c;
+}
+
+__device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PR], const Scales& c) {
+#ifdef PROBE_NO_FOLD   // timing probe (benchmarks/gemm_sm90.py): a quarter of the folds' FFMAs
+#pragma unroll
+  for (int i = 0; i < PR; i += 4) ffma_inplace(acc[i], p[i] + p[i + 1] * p[i + 2], p[i + 3] * c.a0);
+  return;
+#endif
+#pragma unroll
+  for (int b = 0; b < BN / 32; ++b) {
+    const float s0 = c.a0 * c.w[b], s1 = c.a1 * c.w[b];
+#pragma unroll
+    for (int j = 4 * b; j < 4 * b + 4; ++j) {
+      ffma_inplace(acc[4 * j + 0], p[4 * j + 0], s0);
+      ffma_inplace(acc[4 * j + 1], p[4 * j + 1], s0);
+      ffma_inplace(acc[4 * j + 2], p[4 * j + 2], s1);
+      ffma_inplace(acc[4 * j + 3], p[4 * j + 3], s1);
+    }
+  }
+}
+
+// A K block of a slot: its operand tiles for this warpgroup and the scales the thread folds it with.
+// A K block of a slot: its operand tiles for this warpgroup and the scales the thread folds it with.
+struct Block {
+  u32 a, w, sa, sw;
+};
+__device__ __forceinline__ Block block_of(u32 slot, int kb, u32 a_off, u32 sa_off) {
+  return {slot + a_off + kb * 32, slot + SLOT_A + kb * 32, slot + SLOT_A + SLOT_W + sa_off + kb * 4,
+          slot + SLOT_A + SLOT_W + SLOT_SA + kb * 16};
+}
+
+__device__ __forceinline__ void issue(float (&d)[PR], const Block& b) {
+  mma_fence();
+  mma_fresh(d, desc_sw128(b.a), desc_sw128(b.w));
+  mma_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) fp8_g32_gemm_sm90(
+#if TMA
+    const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_w,
+    const __grid_constant__ TmaDesc map_sa, const __grid_constant__ TmaDesc map_sw,
+    unsigned short* __restrict__ Out, int M, int N, int K) {
+#else
+    const unsigned char* __restrict__ A, const float* __restrict__ SA, const unsigned char* __restrict__ W,
+    const float* __restrict__ SW, unsigned short* __restrict__ Out, int M, int N, int K, int lda, int ldsa,
+    int ldsw) {
+#endif
+  extern __shared__ unsigned char smem_raw[];
+  // the 128-byte swizzle repeats every 1024 bytes of shared address: slots start on that boundary
+  const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
+  const u32 ring = (raw + 1023) & ~1023u;
+
+  // grouped tile order: GROUP_M row tiles share each W column tile while it is in L2
+  const int tid = threadIdx.x, pid = blockIdx.x;
+  const int npm = (M + BM - 1) / BM, npn = (N + BN - 1) / BN;
+  const int group = GROUP_M * npn, first = (pid / group) * GROUP_M;
+  const int gsize = min(npm - first, GROUP_M);
+  const int m0 = (first + (pid % group) % gsize) * BM, n0 = ((pid % group) / gsize) * BN;
+
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int row0 = wg * 64 + warp * 16 + (lane >> 2);   // the thread's first accumulator row in the tile
+  const int n_st = (K + BK - 1) / BK;
+
+#if TMA
+  const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0};
+  if (tid == 0) {
+    for (int q = 0; q < STAGES; ++q)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(g.bars + q * 8) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  for (int s = 0; s < STAGES - 2 && s < n_st; ++s) load_slot(g, ring + s * SLOT, s, tid);
+  __syncwarp();
+#else
+  const Args g = {A, SA, W, SW, M, N, K, lda, ldsa, ldsw, m0, n0};
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < n_st) load_slot(g, ring + s * SLOT, s, tid);
+    cp_commit();
+  }
+#endif
+  next_stage(g, ring, 0, n_st, tid);
+
+  float acc[PR], p0[PR], p1[PR];
+#if DEPTH >= 3
+  float p2[PR];
+#endif
+#if DEPTH >= 4
+  float p3[PR];
+#endif
+#pragma unroll
+  for (int i = 0; i < PR; ++i) acc[i] = 0.f;   // the partials: written by their first MMA (scale-d = 0)
+
+  const u32 a_off = wg * 64 * 128, sa_off = row0 * 16;
+MAIN_LOOP
+  // epilogue: bf16 through shared memory (padded rows), then 16-byte coalesced stores
+#if !TMA
+  cp_wait<0>();
+#endif
+  __syncthreads();
+  const int ld_t = (BN + 8) * 2;   // bytes per staged row
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const u32 c = ring + row0 * ld_t + (j * 8 + (lane & 3) * 2) * 2;
+    u32 lo, hi;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(acc[4 * j + 1]), "f"(acc[4 * j + 0]));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(acc[4 * j + 3]), "f"(acc[4 * j + 2]));
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(c), "r"(lo));
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(c + 8 * ld_t), "r"(hi));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < BM * (BN / 8) / NT; ++j) {
+    const int id = tid + j * NT, r = id / (BN / 8), c = (id % (BN / 8)) * 8;
+    if (m0 + r < M && n0 + c < N) {
+      u32 v0, v1, v2, v3;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3) : "r"(ring + r * ld_t + c * 2));
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                   :: "l"(Out + (long long)(m0 + r) * N + n0 + c), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
+    }
+  }
+}
+"""
+
+
+def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 128, depth: int = 2,
+                body: int = 2, tma: bool = False) -> str:
+    """The kernel's CUDA source for one configuration (also what `benchmarks/` compiles offline with nvcc):
+    wgs warpgroups (64 rows each) × bn columns per CTA, `stages` ring slots, `depth` MMA partials per warpgroup
+    (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration; tma: the slots are filled by TMA
+    (one thread, mbarrier per slot) instead of every thread's cp.async.
+    probe ("", "NO_FOLD", "NO_LOAD"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD keeps
+    a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills."""
+    assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
+    assert bn in (64, 96, 128) and 2 <= depth <= 4 and 1 <= body <= 4, (bn, depth, body)
+    assert probe in ("", "NO_FOLD", "NO_LOAD"), probe
+    # TMA with bn < 128 stopped on the H200 with an illegal instruction (not diagnosed; benchmarks/README.md)
+    assert not tma or bn == 128, "the TMA path is verified at bn = 128 only"
+    return (f"#define WGS {wgs}\n#define STAGES {stages}\n#define GROUP_M {group_m}\n#define BN {bn}\n"
+            f"#define DEPTH {depth}\n#define TMA {int(tma)}\n"
+            + (f"#define PROBE_{probe}\n" if probe else "")
+            + _SOURCE.replace("PTX_HELPERS", _PTX_HELPERS).replace("MMA_FRESH", _wgmma_asm(n=bn))
+            .replace("MAIN_LOOP", _main_loop(depth, body)))
+
+
+def smem_bytes(wgs: int, stages: int, bn: int = 128) -> int:
+    bm = 64 * wgs
+    ring = stages * (-(-(bm * BLOCK_K + bn * BLOCK_K + bm * 16 + 64) // 1024) * 1024)   # SLOT in the source
+    # + the TMA path's mbarriers after the ring, + alignment slack for the 1024-byte swizzle atoms
+    return max(ring + 8 * stages, bm * (bn + 8) * 2) + 1024
+
+
+@functools.cache
+def _kernel(device_index: int, wgs: int, stages: int, group_m: int, probe: str, bn: int, depth: int, body: int,
+            tma: bool):
+    from torch.cuda._utils import _cuda_load_module
+    major, minor = torch.cuda.get_device_capability(device_index)
+    assert (major, minor) == (9, 0), f"fp8_gemm_sm90 needs an sm_90 GPU, got sm_{major}{minor}"
+    with torch.cuda.device(device_index):
+        cubin = _compile(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma))
+        kern = _cuda_load_module(cubin, ["fp8_g32_gemm_sm90"])["fp8_g32_gemm_sm90"]
+        kern.set_shared_memory_config(smem_bytes(wgs, stages, bn))
+    return kern
+
+
+def _compile(src: str) -> bytes:
+    """sm_90a cubin of `src`: NVRTC (shipped with torch) or, where torch's NVRTC is missing, the CUDA toolkit's nvcc."""
+    try:
+        from torch.cuda._utils import _nvrtc_compile
+        cubin, _ = _nvrtc_compile(src, "fp8_g32_gemm_sm90", "90a", nvcc_options=["-std=c++17"])
+        return cubin
+    except (ImportError, OSError, RuntimeError) as e:
+        nvrtc_error = e
+    import shutil
+    import subprocess
+    import tempfile
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError(f"fp8_gemm_sm90: NVRTC failed ({nvrtc_error}) and no nvcc on PATH")
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.cu", "w") as f:
+            f.write(src)
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-o", f"{d}/k.cubin", f"{d}/k.cu"], check=True)
+        with open(f"{d}/k.cubin", "rb") as f:
+            return f.read()
+
+
+def weight_scales_f32(w_s: torch.Tensor, tma: bool = False) -> torch.Tensor:
+    """W's e8m0 (or fp32) [ceil(N/32), K/32] block scales in fp32 (exact), as the kernel reads them: [ceil(N/32),
+    K/32 padded to a multiple of 4] for cp.async, or transposed to [K/32 padded to 4, ceil(N/32) padded to 4] for
+    TMA (a slot's box is then [4 K blocks][4 column blocks]). Done once per weight (build/bind time)."""
+    f = (w_s.view(torch.uint8).to(torch.int32).bitwise_left_shift(23).view(torch.float32)
+         if w_s.dtype in (E8M0, torch.uint8) else w_s.float())
+    if not tma:
+        return pad_scales(f)
+    return pad_scales(pad_scales(f).t().contiguous())
+
+
+def pad_scales(s: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, G] -> contiguous fp32 [R, ceil(G/4)·4] (zero columns), so each 128-K slot's scales are 16 bytes."""
+    r, g = s.shape
+    gp = -(-g // 4) * 4
+    if gp == g and s.is_contiguous():
+        return s
+    out = torch.zeros((r, gp), dtype=torch.float32, device=s.device)
+    out[:, :g] = s
+    return out
+
+
+def _tensor_map(t: torch.Tensor, inner: int, outer: int, row_bytes: int, box: tuple[int, int], swizzle128: bool):
+    """A 2-D TMA descriptor (CUtensorMap, 128 bytes, 64-byte aligned host buffer) over `t`, uint8 or fp32, rows of
+    `inner` elements `row_bytes` apart; zero fill past the ends."""
+    import ctypes
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+    lib = _get_gpu_runtime_library()
+    raw = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    dtype = {torch.uint8: 0, torch.float32: 7}[t.dtype if t.dtype != E4M3 else torch.uint8]
+    _check_cuda(lib.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), ctypes.c_int(dtype), ctypes.c_uint32(2), ctypes.c_void_p(t.data_ptr()),
+        (ctypes.c_uint64 * 2)(inner, outer), (ctypes.c_uint64 * 1)(row_bytes), (ctypes.c_uint32 * 2)(*box),
+        (ctypes.c_uint32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(3 if swizzle128 else 0), ctypes.c_int(2),
+        ctypes.c_int(0)))
+    return raw, addr
+
+
+def _launch_tma(kern, grid: int, threads: int, smem: int, maps: list, out: torch.Tensor, m: int, n: int,
+                k: int) -> None:
+    """cuLaunchKernel with four by-value tensor maps (torch's launcher passes only pointers and scalars)."""
+    import ctypes
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+    lib = _get_gpu_runtime_library()
+    scalars = [ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+    params = (ctypes.c_void_p * 8)(*[addr for _, addr in maps], *[ctypes.addressof(v) for v in scalars])
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    _check_cuda(lib.cuLaunchKernel(kern.func, grid, 1, 1, threads, 1, 1, smem, stream, params, None))
+
+
+def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f32: torch.Tensor,
+                  out: torch.Tensor | None = None, wgs: int = 2, stages: int = 5, group_m: int = 8,
+                  probe: str = "", bn: int = 128, depth: int = 2, body: int = 2, tma: bool = False) -> torch.Tensor:
+    """a_q e4m3 [M, K] (K contiguous, 16-byte aligned rows), a_s fp32 [M, K/32] pow2 scales, w_q e4m3 [N, K]
+    contiguous, sw_f32 = weight_scales_f32(w_s, tma) -> bf16 [M, N]. K % 32 == 0, N % 8 == 0."""
+    assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
+    assert a_s.dtype == torch.float32 and sw_f32.dtype == torch.float32, (a_s.dtype, sw_f32.dtype)
+    m, k = a_q.shape
+    n, kw = w_q.shape
+    assert k == kw and k % QBLOCK == 0 and n % 8 == 0, f"A {tuple(a_q.shape)}, W {tuple(w_q.shape)}"
+    assert a_q.stride(1) == 1 and a_q.stride(0) % 16 == 0 and a_q.data_ptr() % 16 == 0 and w_q.is_contiguous()
+    assert w_q.data_ptr() % 16 == 0 and a_s.shape == (m, k // QBLOCK), (tuple(a_s.shape), m, k)
+    nb, kg = -(-n // QBLOCK), -(-k // BLOCK_K) * 4
+    want = (kg, -(-nb // 4) * 4) if tma else (nb, kg)
+    assert sw_f32.shape == want and sw_f32.is_contiguous(), (tuple(sw_f32.shape), want)
+    sa = pad_scales(a_s)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_q.device)
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
+    if m == 0 or n == 0:
+        return out
+    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma)
+    bm = 64 * wgs
+    grid = -(-m // bm) * -(-n // bn)
+    smem = smem_bytes(wgs, stages, bn)
+    if tma:
+        maps = [_tensor_map(a_q, k, m, a_q.stride(0), (BLOCK_K, bm), True),
+                _tensor_map(w_q, k, n, k, (BLOCK_K, bn), True),
+                _tensor_map(sa, sa.shape[1], m, sa.shape[1] * 4, (4, bm), False),
+                _tensor_map(sw_f32, sw_f32.shape[1], sw_f32.shape[0], sw_f32.shape[1] * 4, (4, 4), False)]
+        _launch_tma(kern, grid, 128 * wgs, smem, maps, out, m, n, k)
+        return out
+    kern(grid=(grid, 1, 1), block=(128 * wgs, 1, 1),
+         args=[a_q, sa, w_q, sw_f32, out, m, n, k, a_q.stride(0), sa.shape[1], sw_f32.shape[1]], shared_mem=smem)
+    return out
