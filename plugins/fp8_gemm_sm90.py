@@ -49,7 +49,8 @@ def _main_loop(depth: int, body: int) -> str:
     rotation. K block t is folded after MMA t + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
     last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
-    iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's wait and fold."""
+    iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
+    wait and fold."""
     def code(n_st: int, last: bool) -> list[str]:
         n_t = 4 * n_st
         blk = lambda t: f"block_of(ring + ((s + {t // 4}) % STAGES) * SLOT, {t % 4}, a_off, sa_off)"
@@ -233,11 +234,9 @@ __device__ __forceinline__ void ffma_inplace(float& acc, float p, float s) {
   asm("fma.rn.f32 %0, %1, %2, %0;\n" : "+f"(acc) : "f"(p), "f"(s));
 }
 
-// acc += p * (sa_row ⊗ sw_block), one FFMA per element. sa: the thread's first row's scale of a K block (the
-// row 8 below is 128 bytes further), sw: the K block's column-block scales. n8 group j of the m64nBN layout is
-// column block j / 4; registers 4j, 4j+1 are on the thread's first row, 4j+2, 4j+3 eight rows below. The scales
-// are read one K block ahead (`Scales`), so the shared loads are not waited for next to the wgmma operand reads.
-// The scales a thread folds one K block with: its two rows' sa and the tile's column-block sw.
+// The scales a thread folds one K block with: its first row's sa (the row 8 below is 128 bytes further in the slot)
+// and the K block's column-block sw. Read one K block ahead, so the shared loads are not waited for next to the
+// wgmma operand reads.
 struct Scales {
   float a0, a1, w[4];
 };
@@ -249,6 +248,8 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
   return c;
 }
 
+// acc += p * (sa_row ⊗ sw_block), one FFMA per element. n8 group j of the m64nBN layout is column block j / 4;
+// registers 4j, 4j+1 are on the thread's first row, 4j+2, 4j+3 eight rows below.
 __device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PR], const Scales& c) {
 #ifdef PROBE_NO_FOLD   // timing probe (benchmarks/gemm_sm90.py): a quarter of the folds' FFMAs
 #pragma unroll
