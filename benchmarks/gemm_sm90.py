@@ -98,29 +98,20 @@ def mma_probe(combos: str) -> list[dict]:
     """The MMA pipeline alone (no loads, no folds): one CTA per SM of WGS warpgroups; each issues commit groups of
     CHAIN accumulating m64n128k32 MMAs into DEPTH rotating accumulators and waits after each group until DEPTH - 1
     are in flight. DEPTH = CHAIN = 1 is the issue-to-completion latency of one MMA (each waits for the last)."""
-    from torch.cuda._utils import _cuda_load_module
-    from dsflash.plugins.fp8_gemm_sm90 import _PTX_HELPERS, _compile, _wgmma_asm
+    from dsflash.plugins.bench import _event_time_us
+    from dsflash.plugins.fp8_gemm_sm90 import _PTX_HELPERS, _wgmma_asm, load_kernel
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for item in combos.split(","):
         wgs, depth, chain = (int(v) for v in item.split("x"))
         src = f"#define WGS {wgs}\n#define DEPTH {depth}\n#define CHAIN {chain}\n" + _MMA_PROBE.replace(
             "PTX_HELPERS", _PTX_HELPERS).replace("MMA_ACC", _wgmma_asm("mma_acc", 1))
-        kern = _cuda_load_module(_compile(src), ["mma_probe"])["mma_probe"]
         smem = 200 * 1024   # one CTA per SM
-        kern.set_shared_memory_config(smem)
+        kern = load_kernel(src, "mma_probe", smem)
         out = torch.empty(sms * 128 * wgs, device=DEV)
         iters = 2000
-        run = lambda: kern(grid=(sms, 1, 1), block=(128 * wgs, 1, 1), args=[out, iters], shared_mem=smem)
-        run()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(5):
-            run()
-        e1.record()
-        e1.synchronize()
-        us = e0.elapsed_time(e1) * 1000 / 5
+        us = _event_time_us(lambda: kern(grid=(sms, 1, 1), block=(128 * wgs, 1, 1), args=[out, iters],
+                                         shared_mem=smem), reps=5)
         mmas = wgs * depth * chain * iters   # per SM
         ns_per_group = us * 1000 / (iters * depth)   # per warpgroup
         row = {"op": "mma_probe", "wgs": wgs, "depth": depth, "chain": chain, "us": us,

@@ -151,7 +151,9 @@ __device__ __forceinline__ void load_slot(const Args& g, u32 slot, int s, int ti
   tma_2d(slot + SLOT_A + SLOT_W, g.sa, s * 4, g.m0, bar);
   tma_2d(slot + SLOT_A + SLOT_W + SLOT_SA, g.sw, g.n0 >> 5, s * 4, bar);
 }
-__device__ __forceinline__ void wait_stage(const Args& g, int j) {
+// Stage j resident: its barrier's phase completed. Loads issued: the warps reconverge (thread 0 issued them), since
+// the wgmma instructions that follow are .aligned (a diverged warp executing one is an illegal instruction).
+__device__ __forceinline__ void stage_ready(const Args& g, int j) {
   const u32 bar = g.bars + (j % STAGES) * 8, parity = (j / STAGES) & 1;
   u32 done = 0;
   while (!done) {
@@ -159,9 +161,6 @@ __device__ __forceinline__ void wait_stage(const Args& g, int j) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   }
 }
-// Stage j resident: its barrier's phase completed. Loads issued: the warps reconverge (thread 0 issued them), since
-// the wgmma instructions that follow are .aligned (a diverged warp executing one is an illegal instruction).
-__device__ __forceinline__ void stage_ready(const Args& g, int j) { wait_stage(g, j); }
 __device__ __forceinline__ void loads_issued() { __syncwarp(); }
 
 #else
@@ -269,7 +268,6 @@ __device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PR], con
   }
 }
 
-// A K block of a slot: its operand tiles for this warpgroup and the scales the thread folds it with.
 // A K block of a slot: its operand tiles for this warpgroup and the scales the thread folds it with.
 struct Block {
   u32 a, w, sa, sw;
@@ -404,13 +402,19 @@ def smem_bytes(wgs: int, stages: int, bn: int = 128) -> int:
 @functools.cache
 def _kernel(device_index: int, wgs: int, stages: int, group_m: int, probe: str, bn: int, depth: int, body: int,
             tma: bool):
-    from torch.cuda._utils import _cuda_load_module
     major, minor = torch.cuda.get_device_capability(device_index)
     assert (major, minor) == (9, 0), f"fp8_gemm_sm90 needs an sm_90 GPU, got sm_{major}{minor}"
     with torch.cuda.device(device_index):
-        cubin = _compile(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma))
-        kern = _cuda_load_module(cubin, ["fp8_g32_gemm_sm90"])["fp8_g32_gemm_sm90"]
-        kern.set_shared_memory_config(smem_bytes(wgs, stages, bn))
+        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma), "fp8_g32_gemm_sm90",
+                           smem_bytes(wgs, stages, bn))
+
+
+def load_kernel(src: str, name: str, smem: int):
+    """Compile `src` for sm_90a, load its kernel `name` on the current device with `smem` bytes of dynamic shared
+    memory allowed -> torch's `_CudaKernel` (`kern.func` is the CUfunction)."""
+    from torch.cuda._utils import _cuda_load_module
+    kern = _cuda_load_module(_compile(src), [name])[name]
+    kern.set_shared_memory_config(smem)
     return kern
 
 
