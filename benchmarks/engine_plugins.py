@@ -65,14 +65,15 @@ def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return None if diff.numel() == 0 else int(diff[0, -1])
 
 
-def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_budget_s: float) -> dict:
+def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_budget_s: float,
+               max_num_tokens: int = 64) -> dict:
     res: dict = {"preset": f"v41/{name}"}
     t0 = time.time()
     hf = synthesize(get_preset("v41", name), work / "hf", seed=7)
     convert(hf, work / "hop", "hopper")
     res["synth_convert_s"] = round(time.time() - t0, 1)
     t0 = time.time()
-    cfg = BuildConfig(max_num_tokens=64, tune_budget_s=tune_budget_s)
+    cfg = BuildConfig(max_num_tokens=max_num_tokens, tune_budget_s=tune_budget_s)
     eng = write_engine(work / "hop", work / "eng", Mapping(world_size=1, tp_size=1), "sm90", cfg, progress=False)
     res["build_s"] = round(time.time() - t0, 1)
     tuned = json.loads((eng / "tuned.json").read_text())
@@ -80,6 +81,7 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     res["tuned_gemm_entries"] = len(gemm)
     res["tuned_paths"] = sorted({f"{e['bucket'].get('n')}x{e['bucket'].get('k')}@{e['bucket'].get('m')}:"
                                  f"{e['config'].get('path')}" for e in gemm})
+    res["tuned_sm90_entries"] = sum(bool(e["config"].get("config", {}).get("sm90")) for e in gemm)
     res["tuned_skipped"] = tuned.get("skipped", [])
 
     plug, _ = load_engine_model(eng, device="cuda")
@@ -137,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--tune-budget-s", type=float, default=60)
+    p.add_argument("--max-num-tokens", type=int, default=64,
+                   help="the engine's token budget: > 64 adds the large-M GEMM buckets (a prompt that long runs them)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "threshold": THRESHOLD, "runs": []}
     for name in a.presets.split(","):
         work = Path(tempfile.mkdtemp(prefix=f"dsf-{name}-"))
         try:
-            results["runs"].append(run_preset(name, work, a.prompt_len, a.new_tokens, a.tune_budget_s))
+            results["runs"].append(run_preset(name, work, a.prompt_len, a.new_tokens, a.tune_budget_s,
+                                              a.max_num_tokens))
         except Exception as e:   # one preset failing must not hide the other's figures
             import traceback
             results["runs"].append({"preset": f"v41/{name}", "error": f"{type(e).__name__}: {e}",

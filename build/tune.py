@@ -133,6 +133,7 @@ class _GemmInputs:
                    for _ in range(sets)]
         self.xs = [(torch.randn(m, k, device="cuda", generator=gen) * 2).to(torch.bfloat16) for _ in range(sets)]
         self._w16: list[torch.Tensor] | None = None
+        self._ws_t: list[torch.Tensor] | None = None
         self._ref: torch.Tensor | None = None
 
     def w16(self) -> list[torch.Tensor]:
@@ -140,6 +141,13 @@ class _GemmInputs:
         if self._w16 is None:
             self._w16 = [bf16_cache_weight(*w) for w in self.ws]
         return self._w16
+
+    def ws_t(self) -> list[torch.Tensor]:
+        """The weight scales as the sm90 CUDA GEMM reads them (an `FP8Linear` holds them from bind time)."""
+        from dsflash.plugins.fp8_gemm_sm90 import weight_scales_f32
+        if self._ws_t is None:
+            self._ws_t = [weight_scales_f32(s, tma=True) for _, s in self.ws]
+        return self._ws_t
 
     def ref(self) -> torch.Tensor:
         from dsflash.plugins import refs
@@ -175,7 +183,9 @@ def _fp8_gemm_make(bucket: dict, cand: dict) -> _Rotation:
     else:
         from dsflash.plugins.registry import fp8_linear_config
         cfg = GemmConfig.from_dict(cand["config"])
-        calls = [functools.partial(fp8_linear_config, x, *w, cfg, group) for x, w in zip(inp.xs, inp.ws)]
+        ws_t = inp.ws_t() if cfg.sm90 else [None] * len(inp.ws)
+        calls = [functools.partial(fp8_linear_config, x, *w, cfg, group, w_t)
+                 for x, w, w_t in zip(inp.xs, inp.ws, ws_t)]
     return _verified(calls, inp.ref, GEMM_REL_TOL)
 
 

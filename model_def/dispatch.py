@@ -66,14 +66,18 @@ class FP8Linear(nn.Module):
     fallback)."""
 
     def __init__(self, w_q: torch.Tensor, w_s: torch.Tensor, w_bf16: torch.Tensor | None, act_block: int = 32):
+        from dsflash.plugins.fp8_gemm_sm90 import weight_scales_f32
         super().__init__()
         self.register_buffer("w_q", w_q.contiguous())
         self.register_buffer("w_s", w_s.contiguous())
         self.register_buffer("w_bf16", None if w_bf16 is None else w_bf16.to(torch.bfloat16).contiguous())
+        # the scales as the sm90 CUDA GEMM reads them (fp32, transposed; ~1/256 of the FP8 weight's bytes), derived
+        # here once rather than per call (not saved: the engine holds w_s)
+        self.register_buffer("w_s_t", weight_scales_f32(self.w_s, tma=True), persistent=False)
         self.act_block = act_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16, self.act_block)   # [T, N] bf16
+        y = ops().fp8_linear(_flat(x), self.w_q, self.w_s, self.w_bf16, self.act_block, self.w_s_t)   # [T, N] bf16
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -275,6 +275,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
     """The FP8 GEMM rows: V4.1 (group 32) or, with group 128 and GEMM_V4_SHAPES, V4 (ops prefixed "v4_")."""
     from dsflash.plugins.act_quant import act_quant_dequant
     from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm, tile_weight
+    from dsflash.plugins.fp8_gemm_sm90 import scales_f32, weight_scales_f32
     from dsflash.plugins.registry import device_arch
     pre = "" if group == 32 else "v4_"
     rows = []
@@ -300,6 +301,8 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 acts = [refs.act_quant_ref(x, "e8m0", block=group) for x in xs]   # as fp8_linear quantizes
                 acts16 = [(refs.codes16_ref(q), s) for q, s in acts]   # what acc16 GEMVs read
+                acts32 = [(q, scales_f32(s)) for q, s in acts]   # what sm90 configs read (fp8_linear_config)
+                ws_t = [weight_scales_f32(wp[1], tma=True) for wp in ws]   # an FP8Linear holds them
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
                 flops = 2 * m * n * k
                 # reference path: torch fake-quant + F.linear on the dequantized BF16 weight (what model_def runs)
@@ -320,11 +323,11 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                         if cfg.tiled_w and layout not in tiled:
                             tiled[layout] = [tile_weight(wp[0], cfg) for wp in ws]
                         wt = tiled[layout] if cfg.tiled_w else [None] * n_sets
-                        a = acts16 if cfg.acc16 else acts
-                        out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0], group=group)
+                        a = acts16 if cfg.acc16 else acts32 if cfg.sm90 else acts
+                        out = fp8_gemm(*a[0], *ws[0], cfg, w_tiled=wt[0], group=group, w_s_t=ws_t[0])
                         err = refs.rel_err(out, ref32)
                         us, how = graph_time_us([lambda i=i, c=cfg, wt=wt, a=a: fp8_gemm(*a[i], *ws[i], c, w_tiled=wt[i],
-                                                                                         group=group)
+                                                                                         group=group, w_s_t=ws_t[i])
                                                   for i in range(n_sets)])
                     except Exception as e:  # a config that fails to compile/launch is reported, not fatal
                         rows.append({"op": pre + "fp8_gemm", "shape": shape, "M": m, "config": cfg.tag(),

@@ -152,7 +152,8 @@ def gemm_operands(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: 
 
 def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
              config: GemmConfig | None = None, out: torch.Tensor | None = None,
-             w_tiled: torch.Tensor | None = None, group: int = QBLOCK) -> torch.Tensor:
+             w_tiled: torch.Tensor | None = None, group: int = QBLOCK, w_s_t: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """Group-32 FP8 GEMM -> BF16 [M, N].
 
     a_q e4m3 [M, K] (row stride free, K contiguous), a_s [M, K/32] fp32|e8m0 (K/32 contiguous),
@@ -160,9 +161,11 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     (Measured on the H200: fp32 weight scales, which Triton streams by cp.async, did not speed up decode and made
     the large-M FP8-MMA configs 1.4-1.9× slower than the 1-byte e8m0 scales; keep e8m0.)
     config: tiles (default: tuning.get_config(N, K, M)); a `gemv` config (M <= 8) runs `fp8_gemv.fp8_gemv` instead,
-    a `gluon` config (K % 128 == 0; large M, or M <= 8 with swap_ab) `fp8_gemm_gluon.fp8_gemm_gluon`;
+    a `gluon` config (K % 128 == 0; large M, or M <= 8 with swap_ab) `fp8_gemm_gluon.fp8_gemm_gluon`, an `sm90`
+    config (large M, N % 8 == 0) `fp8_gemm_sm90.fp8_gemm_sm90_config`;
     out: optional BF16 [M, N] contiguous; w_tiled: tile_weight(w_q, config), required by (and only used with) a
-    `tiled_w` config. group: the K extent over which the scales are constant (32: V4.1; 128: V4's 1×128 activation
+    `tiled_w` config; w_s_t: weight_scales_f32(w_s, tma=True), what an sm90 config reads (derived per call without
+    it). group: the K extent over which the scales are constant (32: V4.1; 128: V4's 1×128 activation
     groups and 128×128 weight blocks, stored as repeated 32-block scales), which lets FP8-MMA configs promote once
     per `kgroups`·32 K (`GemmConfig.promotes_every`) and the Gluon large-M kernel once per 128 K.
     """
@@ -184,6 +187,9 @@ def fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     if cfg.gluon:   # explicit-wgmma kernels (fp8_gemm_gluon.py)
         from dsflash.plugins.fp8_gemm_gluon import fp8_gemm_gluon
         return fp8_gemm_gluon(a_q, a_s, w_q, w_s, cfg, out, group)
+    if cfg.sm90:   # the CUDA large-M kernel (fp8_gemm_sm90.py)
+        from dsflash.plugins.fp8_gemm_sm90 import fp8_gemm_sm90_config
+        return fp8_gemm_sm90_config(a_q, a_s, w_q, w_s, cfg, out, w_s_t)
     sa, sa_e8 = _scale_arg(a_s)
     sb, sb_e8 = _scale_arg(w_s)
     if cfg.swap_ab:   # P = W rows (n), Q = tokens (m); out[m, n] = acc[p=n, q=m]

@@ -3,19 +3,25 @@
 y[m, n] = Σ_kb (A_q[m, kb]·W_q[n, kb]ᵀ)·sa[m, kb]·sw[n/32, kb], fp32 promotion every 32 K: the contract and numerics
 of `fp8_gemm._fp8_gemm_g32_kernel` (the same m64nNk32 e4m3 MMAs, one FFMA per accumulator element and 32 K).
 
-Not a build candidate yet: it is the measured CUDA attempt at the per-32 promotion bound (benchmarks/README.md,
-"Session 23"), with its bench (`benchmarks/gemm_sm90.py`), an offline build check (no spills, no serialised wgmma)
-and a GPU parity test. Structure:
+A build candidate (`tuning.SM90_SPACE`, the sm90 default for M > 64; `fp8_gemm_sm90_config`) in its
+warp-specialized TMA form; the other forms are the measured steps to it (benchmarks/README.md, "Session 23",
+"Session 24"), kept for `benchmarks/gemm_sm90.py`, with an offline build check (no spills, no serialised wgmma) and a
+GPU parity test. Structure:
 - each warpgroup keeps `depth` MMA partials: the MMA of K block t + 1 runs while block t is folded
   (wgmma.wait_group depth - 1); the K loop is generated straight-line (`_main_loop`);
 - the scales come in fp32 (A per 1×32, from `act_quant(x, "fp32")`; W per 32×32, `weight_scales_f32`) in the same
   ring slot as the tiles, read one K block ahead, so a fold's scale product is one FMUL per (row, column block);
-- the ring is filled by TMA (`tma`: one thread per CTA, an mbarrier per slot, one CTA barrier per stage)
-  or by every thread's cp.async into the 128-byte swizzle wgmma reads (one CTA barrier per 128-K stage).
-Tile: BM = 64·WGS rows (one warpgroup per 64), BN columns (64/96/128; 128 with TMA), 128 K per ring slot, STAGES
-slots. Compiled by NVRTC (`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per
-configuration and process; launched with cuLaunchKernel on the current stream (no allocation, no host sync; the TMA
-descriptors are kernel parameters, encoded on the host per call).
+- the ring is filled by TMA: by a producer warpgroup (`ws`: one thread, 40 registers, waits for each slot's
+  "empty" mbarrier; the consumers take 232 registers and wait only for "full" ones), or by one consumer thread
+  (`tma`: one CTA barrier per stage); or by every thread's cp.async into the 128-byte swizzle wgmma reads (one CTA
+  barrier per 128-K stage);
+- with `body` a multiple of the ring size every K block's slot is a constant, so its wgmma descriptors are an add
+  of an immediate to two uniform registers (84 instructions per warp and K block against 98: 64 of them FFMA).
+Tile: BM = 64·WGS rows (one consumer warpgroup per 64), BN columns (64/96/128), 128 K per ring slot, STAGES slots;
+with a producer, one CTA per SM or (`ctas` 2, one consumer warpgroup) two. Compiled by NVRTC
+(`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per configuration and process;
+launched with cuLaunchKernel on the current stream (no host sync; the TMA descriptors are kernel parameters, encoded
+on the host per call).
 """
 from __future__ import annotations
 
@@ -44,37 +50,50 @@ def _wgmma_asm(name: str = "mma_fresh", scale_d: int = 0, n: int = 128) -> str:
             + "}\n")
 
 
-def _main_loop(depth: int, body: int) -> str:
+def _main_loop(depth: int, body: int, stages: int, ws: bool = False) -> str:
     """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
     rotation. K block t is folded after MMA t + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
     last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
-    wait and fold."""
-    def code(n_st: int, last: bool) -> list[str]:
+    wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
+    constant (its descriptors one add of an immediate); the stages left over run one per iteration.
+    ws (a producer warpgroup fills the ring): a stage's first MMA only waits for its data (`stage_wait`), and the
+    slot is handed back (`release`) once the stage's last MMA completed."""
+    static = body % stages == 0
+    wait = (lambda j: f"stage_wait(g, {j});") if ws else (lambda j: f"next_stage(g, ring, {j}, n_st, tid);")
+
+    def code(n_st: int, last: bool, fixed: bool) -> list[str]:
         n_t = 4 * n_st
-        blk = lambda t: f"block_of(ring + ((s + {t // 4}) % STAGES) * SLOT, {t % 4}, a_off, sa_off)"
+        slot = (lambda t: f"{(t // 4) % stages}") if fixed else (lambda t: f"(s + {t // 4}) % STAGES")
+        blk = lambda t: f"block_at(r, {slot(t)}, {t % 4})"
         out = [f"issue(p{t % depth}, {blk(t)});" for t in range(min(depth - 1, n_t))]
         out.append(f"Scales c1, c0 = scales_of({blk(0)}.sa, {blk(0)}.sw);")
         for t in range(n_t):
             u = t + depth - 1
             if u < n_t:
                 if u % 4 == 0:
-                    out.append(f"next_stage(g, ring, s + {u // 4}, n_st, tid);")
+                    out.append(wait(f"s + {u // 4}"))
                 out.append(f"issue(p{u % depth}, {blk(u)});")
                 if u == n_t - 1 and not last:
-                    out.append(f"if (s + {n_st} < n_st) next_stage(g, ring, s + {n_st}, n_st, tid);")
+                    out.append(f"if (s + {n_st} < n_st) {wait(f's + {n_st}')}")
             if t + 1 < n_t:
                 out.append(f"{{ const Block b = {blk(t + 1)}; c{(t + 1) % 2} = scales_of(b.sa, b.sw); }}")
             out.append(f"mma_wait<{min(depth - 1, n_t - 1 - t)}>();")
+            if ws and t % 4 == 3:
+                out.append(f"release(g, {slot(t)});")
             out.append(f"fold(acc, p{t % depth}, c{t % 2});")
         return out
     ind = "\n    "
-    src = [f"  int s = 0;\n  for (; s + {body} <= n_st; s += {body}) {{{ind}" + ind.join(code(body, False)) + "\n  }"]
-    if body > 1:
+    loop = lambda n, fixed: (f"  for (; s + {n} <= n_st; s += {n}) {{{ind}" + ind.join(code(n, False, fixed))
+                             + "\n  }")
+    src = ["  int s = 0;", loop(body, static)]
+    if static:
+        src.append(loop(1, False))
+    elif body > 1:
         src.append("  switch (n_st - s) {")
         for r in range(1, body):
-            src.append(f"  case {r}: {{{ind}" + ind.join(code(r, True)) + f"{ind}break;\n  }}")
+            src.append(f"  case {r}: {{{ind}" + ind.join(code(r, True, False)) + f"{ind}break;\n  }}")
         src.append("  default: break;\n  }")
     return "\n".join(src) + "\n"
 
@@ -116,11 +135,19 @@ _SOURCE = r"""
 #define BM (64 * WGS)
 #define PR (BN / 2)   // fp32 registers per thread of an m64 x BN accumulator
 #define BK 128
-#define NT (128 * WGS)
+#define NT (128 * (WGS + WS))   // WS: + a producer warpgroup
+// with a producer warpgroup: its registers and the consumers' (all of a CTA's share of the 64K-register file)
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS (((65536 / CTAS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8 > 232 ? 232 \
+                       : ((65536 / CTAS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
 #define SLOT_A (BM * BK)
 #define SLOT_W (BN * BK)
 #define SLOT_SA (BM * 16)
-#define SLOT_SW 64
+// W scales per slot: [4 K blocks][SW_ROW / 4 column blocks]. TMA boxes start on 16-byte aligned columns: a 128-wide
+// tile's 4 column blocks are one aligned box row; a narrower tile's (starting at any column block) sit inside an
+// 8-wide row from the aligned column below (`sw_skew`).
+#define SW_ROW ((TMA && BN != 128) ? 32 : 16)
+#define SLOT_SW (4 * SW_ROW)
 #define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + 1023) / 1024 * 1024)   // slots start on 1024-byte boundaries
 
 PTX_HELPERS
@@ -149,19 +176,44 @@ __device__ __forceinline__ void load_slot(const Args& g, u32 slot, int s, int ti
   tma_2d(slot, g.a, s * BK, g.m0, bar);
   tma_2d(slot + SLOT_A, g.w, s * BK, g.n0, bar);
   tma_2d(slot + SLOT_A + SLOT_W, g.sa, s * 4, g.m0, bar);
-  tma_2d(slot + SLOT_A + SLOT_W + SLOT_SA, g.sw, g.n0 >> 5, s * 4, bar);
+  tma_2d(slot + SLOT_A + SLOT_W + SLOT_SA, g.sw, (g.n0 >> 5) & ~3, s * 4, bar);
 }
 // Stage j resident: its barrier's phase completed. Loads issued: the warps reconverge (thread 0 issued them), since
 // the wgmma instructions that follow are .aligned (a diverged warp executing one is an illegal instruction).
-__device__ __forceinline__ void stage_ready(const Args& g, int j) {
-  const u32 bar = g.bars + (j % STAGES) * 8, parity = (j / STAGES) & 1;
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   u32 done = 0;
   while (!done) {
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   }
 }
+__device__ __forceinline__ void stage_ready(const Args& g, int j) {
+  mbar_wait(g.bars + (j % STAGES) * 8, (j / STAGES) & 1);
+}
 __device__ __forceinline__ void loads_issued() { __syncwarp(); }
+
+#if WS
+// The producer warpgroup's one thread fills slot s % STAGES with stage s once the consumers handed the slot back
+// (its "empty" mbarrier, STAGES·8 bytes after the "full" ones, completes a phase per hand-back).
+__device__ __forceinline__ void produce(const Args& g, u32 ring, int n_st) {
+  for (int s = 0; s < n_st; ++s) {
+    if (s >= STAGES) {
+      const u32 bar = g.bars + (STAGES + s % STAGES) * 8, parity = ((s / STAGES) - 1) & 1;
+      u32 done = 0;
+      mbar_wait(bar, parity);
+    }
+    load_slot(g, ring + (s % STAGES) * SLOT, s, 0);
+  }
+}
+// Consumers: stage j resident (no CTA barrier: each warpgroup runs at its own pace); a slot handed back by every
+// consumer thread once its reads of the slot (MMA operands, scales) are complete.
+__device__ __forceinline__ void stage_wait(const Args& g, int j) { stage_ready(g, j); }
+__device__ __forceinline__ void release(const Args& g, u32 slot) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(g.bars + (STAGES + slot) * 8) : "memory");
+}
+// a barrier of the consumer warpgroups only (the producer has left)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" :: "n"(128 * WGS) : "memory"); }
+#endif
 
 #else
 // The kernel's arguments and the CTA's tile origin, which every slot load reads (kept as arguments, not
@@ -243,7 +295,12 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
   Scales c;
   c.a0 = lds(sa);
   c.a1 = lds(sa + 8 * 16);
+#if SW_ROW == 16
   lds4(sw, c.w);
+#else   // the tile's column blocks may start at any of 4 word offsets: one load each
+#pragma unroll
+  for (int b = 0; b < BN / 32; ++b) c.w[b] = lds(sw + 4 * b);
+#endif
   return c;
 }
 
@@ -268,22 +325,30 @@ __device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PR], con
   }
 }
 
-// A K block of a slot: its operand tiles for this warpgroup and the scales the thread folds it with.
-struct Block {
-  u32 a, w, sa, sw;
+// Slot 0's K block 0 for this thread: its warpgroup's A-tile and the W-tile wgmma descriptors, its scale addresses.
+// Another block's are these plus constants (shared addresses stay below 2^18, so the descriptors' 14-bit address
+// fields never carry).
+struct Ring {
+  u64 da, dw;
+  u32 sa, sw;
 };
-__device__ __forceinline__ Block block_of(u32 slot, int kb, u32 a_off, u32 sa_off) {
-  return {slot + a_off + kb * 32, slot + SLOT_A + kb * 32, slot + SLOT_A + SLOT_W + sa_off + kb * 4,
-          slot + SLOT_A + SLOT_W + SLOT_SA + kb * 16};
+// A K block of a slot: its operand descriptors for this warpgroup and the scales the thread folds it with.
+struct Block {
+  u64 da, dw;
+  u32 sa, sw;
+};
+__device__ __forceinline__ Block block_at(const Ring& r, u32 slot, int kb) {
+  const u32 o = slot * SLOT + kb * 32;
+  return {r.da + (o >> 4), r.dw + (o >> 4), r.sa + slot * SLOT + kb * 4, r.sw + slot * SLOT + kb * SW_ROW};
 }
 
 __device__ __forceinline__ void issue(float (&d)[PR], const Block& b) {
   mma_fence();
-  mma_fresh(d, desc_sw128(b.a), desc_sw128(b.w));
+  mma_fresh(d, b.da, b.dw);
   mma_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) fp8_g32_gemm_sm90(
+extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
 #if TMA
     const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_w,
     const __grid_constant__ TmaDesc map_sa, const __grid_constant__ TmaDesc map_sw,
@@ -314,11 +379,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) fp8_g32_gemm_sm90(
   if (tid == 0) {
     for (int q = 0; q < STAGES; ++q)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(g.bars + q * 8) : "memory");
+#if WS
+    for (int q = 0; q < STAGES; ++q)   // empty: every consumer thread arrives
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(g.bars + (STAGES + q) * 8), "n"(128 * WGS)
+                   : "memory");
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+#if WS
+  if (wg == WGS) {   // the producer: few registers, one thread issues every load, then leaves
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS) : "memory");
+    if (tid == 128 * WGS) produce(g, ring, n_st);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(CONSUMER_REGS) : "memory");
+  stage_wait(g, 0);
+#else
   for (int s = 0; s < STAGES - 2 && s < n_st; ++s) load_slot(g, ring + s * SLOT, s, tid);
   __syncwarp();
+  next_stage(g, ring, 0, n_st, tid);
+#endif
 #else
   const Args g = {A, SA, W, SW, M, N, K, lda, ldsa, ldsw, m0, n0};
 #pragma unroll
@@ -326,8 +407,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) fp8_g32_gemm_sm90(
     if (s < n_st) load_slot(g, ring + s * SLOT, s, tid);
     cp_commit();
   }
-#endif
   next_stage(g, ring, 0, n_st, tid);
+#endif
 
   float acc[PR], p0[PR], p1[PR];
 #if DEPTH >= 3
@@ -339,13 +420,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) fp8_g32_gemm_sm90(
 #pragma unroll
   for (int i = 0; i < PR; ++i) acc[i] = 0.f;   // the partials: written by their first MMA (scale-d = 0)
 
-  const u32 a_off = wg * 64 * 128, sa_off = row0 * 16;
+  const u32 wg_u = __shfl_sync(0xffffffffu, wg, 0);   // warp-uniform: the descriptors stay in uniform registers
+  const u32 sw_skew = SW_ROW == 16 ? 0 : ((n0 >> 5) & 3) * 4;   // the tile's first column block in its box row
+  const Ring r = {desc_sw128(ring + wg_u * 64 * 128), desc_sw128(ring + SLOT_A), ring + SLOT_A + SLOT_W + row0 * 16,
+                  ring + SLOT_A + SLOT_W + SLOT_SA + sw_skew};
 MAIN_LOOP
   // epilogue: bf16 through shared memory (padded rows), then 16-byte coalesced stores
 #if !TMA
   cp_wait<0>();
 #endif
+#if WS
+  consumers_sync();
+#else
   __syncthreads();
+#endif
   const int ld_t = (BN + 8) * 2;   // bytes per staged row
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -356,10 +444,14 @@ MAIN_LOOP
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(c), "r"(lo));
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(c + 8 * ld_t), "r"(hi));
   }
+#if WS
+  consumers_sync();
+#else
   __syncthreads();
+#endif
 #pragma unroll
-  for (int j = 0; j < BM * (BN / 8) / NT; ++j) {
-    const int id = tid + j * NT, r = id / (BN / 8), c = (id % (BN / 8)) * 8;
+  for (int j = 0; j < BM * (BN / 8) / (128 * WGS); ++j) {
+    const int id = tid + j * 128 * WGS, r = id / (BN / 8), c = (id % (BN / 8)) * 8;
     if (m0 + r < M && n0 + c < N) {
       u32 v0, v1, v2, v3;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -373,40 +465,43 @@ MAIN_LOOP
 
 
 def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 128, depth: int = 2,
-                body: int = 2, tma: bool = False) -> str:
+                body: int = 2, tma: bool = False, ws: bool = False, ctas: int = 1) -> str:
     """The kernel's CUDA source for one configuration (also what `benchmarks/` compiles offline with nvcc):
     wgs warpgroups (64 rows each) × bn columns per CTA, `stages` ring slots, `depth` MMA partials per warpgroup
-    (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration; tma: the slots are filled by TMA
-    (one thread, mbarrier per slot) instead of every thread's cp.async.
+    (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration (a multiple of `stages`: constant
+    slots); tma: the slots are filled by TMA (one thread, mbarrier per slot) instead of every thread's cp.async;
+    ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws).
     probe ("", "NO_FOLD", "NO_LOAD"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD keeps
     a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills."""
     assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
-    assert bn in (64, 96, 128) and 2 <= depth <= 4 and 1 <= body <= 4, (bn, depth, body)
+    assert bn in (64, 96, 128) and 2 <= depth <= 4 and 1 <= body <= 8, (bn, depth, body)
     assert probe in ("", "NO_FOLD", "NO_LOAD"), probe
-    # TMA with bn < 128 stopped on the H200 with an illegal instruction (not diagnosed; benchmarks/README.md)
-    assert not tma or bn == 128, "the TMA path is verified at bn = 128 only"
+    assert not ws or (tma and probe != "NO_LOAD"), "the producer warpgroup issues TMA loads"
+    assert ctas == 1 or (ctas == 2 and ws and wgs == 1), "two CTAs per SM: one consumer warpgroup each (ws)"
     return (f"#define WGS {wgs}\n#define STAGES {stages}\n#define GROUP_M {group_m}\n#define BN {bn}\n"
-            f"#define DEPTH {depth}\n#define TMA {int(tma)}\n"
+            f"#define DEPTH {depth}\n#define TMA {int(tma)}\n#define WS {int(ws)}\n#define CTAS {ctas}\n"
             + (f"#define PROBE_{probe}\n" if probe else "")
             + _SOURCE.replace("PTX_HELPERS", _PTX_HELPERS).replace("MMA_FRESH", _wgmma_asm(n=bn))
-            .replace("MAIN_LOOP", _main_loop(depth, body)))
+            .replace("MAIN_LOOP", _main_loop(depth, body, stages, ws)))
 
 
 def smem_bytes(wgs: int, stages: int, bn: int = 128) -> int:
     bm = 64 * wgs
-    ring = stages * (-(-(bm * BLOCK_K + bn * BLOCK_K + bm * 16 + 64) // 1024) * 1024)   # SLOT in the source
-    # + the TMA path's mbarriers after the ring, + alignment slack for the 1024-byte swizzle atoms
-    return max(ring + 8 * stages, bm * (bn + 8) * 2) + 1024
+    sw = 64 if bn == 128 else 128   # SLOT_SW (the cp.async path's 64 when narrower: this over-counts at most)
+    ring = stages * (-(-(bm * BLOCK_K + bn * BLOCK_K + bm * 16 + sw) // 1024) * 1024)   # SLOT in the source
+    # + the TMA path's mbarriers after the ring (full; empty with a producer warpgroup), + alignment slack for the
+    # 1024-byte swizzle atoms
+    return max(ring + 16 * stages, bm * (bn + 8) * 2) + 1024
 
 
 @functools.cache
 def _kernel(device_index: int, wgs: int, stages: int, group_m: int, probe: str, bn: int, depth: int, body: int,
-            tma: bool):
+            tma: bool, ws: bool, ctas: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     assert (major, minor) == (9, 0), f"fp8_gemm_sm90 needs an sm_90 GPU, got sm_{major}{minor}"
     with torch.cuda.device(device_index):
-        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma), "fp8_g32_gemm_sm90",
-                           smem_bytes(wgs, stages, bn))
+        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas),
+                           "fp8_g32_gemm_sm90", smem_bytes(wgs, stages, bn))
 
 
 def load_kernel(src: str, name: str, smem: int):
@@ -440,12 +535,19 @@ def _compile(src: str) -> bytes:
             return f.read()
 
 
+def scales_f32(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 (or its uint8 bytes) power-of-two scales as fp32, exactly; fp32 ones unchanged."""
+    if s.dtype in (E8M0, torch.uint8):
+        return s.view(torch.uint8).to(torch.int32).bitwise_left_shift(23).view(torch.float32)
+    return s.float()
+
+
 def weight_scales_f32(w_s: torch.Tensor, tma: bool = False) -> torch.Tensor:
     """W's e8m0 (or fp32) [ceil(N/32), K/32] block scales in fp32 (exact), as the kernel reads them: [ceil(N/32),
     K/32 padded to a multiple of 4] for cp.async, or transposed to [K/32 padded to 4, ceil(N/32) padded to 4] for
-    TMA (a slot's box is then [4 K blocks][4 column blocks]). Done once per weight (build/bind time)."""
-    f = (w_s.view(torch.uint8).to(torch.int32).bitwise_left_shift(23).view(torch.float32)
-         if w_s.dtype in (E8M0, torch.uint8) else w_s.float())
+    TMA (a slot's box is then [4 K blocks][4 column blocks], or 8 from the aligned column below for tiles narrower
+    than 128). Done once per weight (build/bind time)."""
+    f = scales_f32(w_s)
     if not tma:
         return pad_scales(f)
     return pad_scales(pad_scales(f).t().contiguous())
@@ -491,9 +593,25 @@ def _launch_tma(kern, grid: int, threads: int, smem: int, maps: list, out: torch
     _check_cuda(lib.cuLaunchKernel(kern.func, grid, 1, 1, threads, 1, 1, smem, stream, params, None))
 
 
+def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg,
+                         out: torch.Tensor | None = None, w_s_t: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel of an `sm90` GemmConfig (what `fp8_gemm` runs for one): a producer warpgroup fills a TMA ring of
+    cfg.num_stages slots, cfg.block_p / 64 consumer warpgroups. a_s fp32 (or e8m0, widened here), w_s the weight's
+    [ceil(N/32), K/32] scales; w_s_t = weight_scales_f32(w_s, tma=True) when the caller holds it (an `FP8Linear`
+    does, from bind time), else derived here (a few small launches)."""
+    assert cfg.sm90, cfg
+    a_s = scales_f32(a_s)
+    if w_s_t is None:
+        w_s_t = weight_scales_f32(w_s, tma=True)
+    return fp8_gemm_sm90(a_q, a_s, w_q, w_s_t, out, wgs=cfg.block_p // 64, stages=cfg.num_stages,
+                         group_m=cfg.group_p, bn=cfg.block_q, depth=2 if cfg.block_q == 128 else 3,
+                         body=cfg.num_stages, tma=True, ws=True, ctas=cfg.ctas_per_sm)
+
+
 def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f32: torch.Tensor,
                   out: torch.Tensor | None = None, wgs: int = 2, stages: int = 5, group_m: int = 8,
-                  probe: str = "", bn: int = 128, depth: int = 2, body: int = 2, tma: bool = False) -> torch.Tensor:
+                  probe: str = "", bn: int = 128, depth: int = 2, body: int = 2, tma: bool = False,
+                  ws: bool = False, ctas: int = 1) -> torch.Tensor:
     """a_q e4m3 [M, K] (K contiguous, 16-byte aligned rows), a_s fp32 [M, K/32] pow2 scales, w_q e4m3 [N, K]
     contiguous, sw_f32 = weight_scales_f32(w_s, tma) -> bf16 [M, N]. K % 32 == 0, N % 8 == 0."""
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
@@ -512,16 +630,18 @@ def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f3
     assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
     if m == 0 or n == 0:
         return out
-    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma)
+    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas)
     bm = 64 * wgs
     grid = -(-m // bm) * -(-n // bn)
     smem = smem_bytes(wgs, stages, bn)
+    assert ctas == 1 or ctas * (smem + 1024) <= 228 * 1024, f"{ctas} CTAs of {smem} bytes do not share an SM"
     if tma:
         maps = [_tensor_map(a_q, k, m, a_q.stride(0), (BLOCK_K, bm), True),
                 _tensor_map(w_q, k, n, k, (BLOCK_K, bn), True),
                 _tensor_map(sa, sa.shape[1], m, sa.shape[1] * 4, (4, bm), False),
-                _tensor_map(sw_f32, sw_f32.shape[1], sw_f32.shape[0], sw_f32.shape[1] * 4, (4, 4), False)]
-        _launch_tma(kern, grid, 128 * wgs, smem, maps, out, m, n, k)
+                _tensor_map(sw_f32, sw_f32.shape[1], sw_f32.shape[0], sw_f32.shape[1] * 4,
+                            (4 if bn == 128 else 8, 4), False)]   # (SW_ROW in the source)
+        _launch_tma(kern, grid, 128 * (wgs + ws), smem, maps, out, m, n, k)
         return out
     kern(grid=(grid, 1, 1), block=(128 * wgs, 1, 1),
          args=[a_q, sa, w_q, sw_f32, out, m, n, k, a_q.stride(0), sa.shape[1], sw_f32.shape[1]], shared_mem=smem)

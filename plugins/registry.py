@@ -144,15 +144,16 @@ def _(x, w_bf16, act_block=QBLOCK):
 
 
 @torch.library.custom_op("dsflash::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None, act_block: int = QBLOCK
-               ) -> Tensor:
+def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None, act_block: int = QBLOCK,
+               w_s_t: Optional[Tensor] = None) -> Tensor:
     """An FP8 linear in deploy numerics: x bf16 [M, K] -> FP8 1×act_block quantize -> GEMM -> bf16 [M, N].
 
     V4.1: act_block 32, w_s the 32×32 block scales. V4: act_block 128, w_s its 128×128 scales in the kernels'
     32×32 format (`refs.expand_weight_scales`).
     The tuned table (`tuning.lookup`, filled from the engine's tuned.json) picks, per (N, K, M bucket), the FP8
     GEMM with its tile config or the BF16-cache GEMM on `w_bf16` (when the engine holds one); a shape missing
-    from the table uses the default FP8 config and is logged once."""
+    from the table uses the default FP8 config and is logged once. w_s_t: the weight scales as the sm90 CUDA
+    kernel reads them (`fp8_gemm_sm90.weight_scales_f32(w_s, tma=True)`, derived once per weight)."""
     if x.is_cuda:
         from dsflash.plugins import tuning
         from dsflash.plugins.fp8_gemm import bf16_cache_gemm
@@ -160,7 +161,7 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = N
         path, cfg = tuning.lookup(n, k, x.shape[0], device_arch(x.device), act_block)
         if path == "bf16cache" and w_bf16 is not None:
             return bf16_cache_gemm(x, w_bf16, act_block=act_block)
-        return fp8_linear_config(x, w_q, w_s, cfg, act_block)
+        return fp8_linear_config(x, w_q, w_s, cfg, act_block, w_s_t)
     return refs.fp8_gemm_ref(*refs.act_quant_ref(x, block=act_block), w_q, w_s)
 
 
@@ -171,10 +172,16 @@ def device_arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg, act_block: int = QBLOCK) -> Tensor:
+def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg, act_block: int = QBLOCK,
+                      w_s_t: Optional[Tensor] = None) -> Tensor:
     """The FP8 path of `fp8_linear` with one GEMM config (what `build` times): the 1×act_block activation
     quantization then the GEMM, or one launch for a quant_in_kernel config (when x suits its TMA: bf16, 16-byte
-    aligned rows). The GEMM promotes once per act_block K where the config can (V4's 128-groups)."""
+    aligned rows). The GEMM promotes once per act_block K where the config can (V4's 128-groups). An sm90 config
+    takes fp32 activation scales and the weight's transposed fp32 scales (w_s_t; derived per call without it)."""
+    if cfg.sm90:
+        from dsflash.plugins.act_quant import act_quant
+        from dsflash.plugins.fp8_gemm_sm90 import fp8_gemm_sm90_config
+        return fp8_gemm_sm90_config(*act_quant(x, "fp32", block=act_block), w_q, w_s, cfg, w_s_t=w_s_t)
     if cfg.quant_in_kernel:
         from dsflash.plugins.fp8_gemm_gluon import bf16_tma_ready, fp8_linear_gluon_decode
         if bf16_tma_ready(x):
@@ -185,7 +192,7 @@ def fp8_linear_config(x: Tensor, w_q: Tensor, w_s: Tensor, cfg, act_block: int =
 
 
 @fp8_linear.register_fake
-def _(x, w_q, w_s, w_bf16=None, act_block=QBLOCK):
+def _(x, w_q, w_s, w_bf16=None, act_block=QBLOCK, w_s_t=None):
     return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
 

@@ -43,6 +43,11 @@ class GemmConfig:
     the kernel takes the bf16 activation and quantizes it per 1×32 itself (`fp8_linear_gluon_decode`, bit-identical
     to `act_quant` + the kernel): one launch per linear instead of two; every program re-quantizes the tokens of its
     K slice, so it pays where the weight is split over few tiles (the TP8 shapes) and loses on wide ones.
+    sm90 (large M, sm_90, N % 8 == 0): the hand-scheduled CUDA kernel of `fp8_gemm_sm90` (fp32 activation scales,
+    the weight's transposed fp32 scales): block_p = BM (64 per consumer warpgroup), block_q = BN (128, or 96 with
+    three MMA partials in flight instead of two), num_stages
+    TMA ring slots filled by a producer warpgroup (num_warps counts it), group_p the grouped tile order;
+    ctas_per_sm 2 (one consumer warpgroup, at most 4 slots): two CTAs share each SM's registers and shared memory.
     """
     block_p: int = 128
     block_q: int = 128
@@ -61,8 +66,21 @@ class GemmConfig:
     maxnreg: int = 0
     pdl: bool = False
     quant_in_kernel: bool = False
+    sm90: bool = False
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
+        if self.sm90:
+            assert not (self.gluon or self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k
+                        or self.swap_ab or self.maxnreg or self.pdl or self.quant_in_kernel), \
+                "sm90 configs are the CUDA large-M kernel and take no other path's options"
+            assert self.block_p in (64, 128) and self.block_q in (96, 128), f"sm90 tile {self.block_p}x{self.block_q}"
+            assert self.num_warps == 4 * (self.block_p // 64 + 1), "sm90: a warpgroup per 64 rows + the producer"
+            assert 3 <= self.num_stages <= 6 and self.split_k == 1 and self.kgroups == 1, self
+            assert self.ctas_per_sm == 1 or (self.ctas_per_sm == 2 and self.block_p == 64 and self.num_stages <= 4), \
+                "two CTAs per SM: a 64-row tile and at most 4 ring slots"
+            return
+        assert self.ctas_per_sm == 1, "ctas_per_sm is an sm90 field"
         if self.gluon:
             assert not (self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k), \
                 "gluon configs are FP8 MMA and take no other path's options"
@@ -103,7 +121,7 @@ class GemmConfig:
         """K over which the config assumes constant scales: 32·kgroups for the Triton FP8-MMA kernel (one promotion
         per iteration), 32 for every other path (they promote or dequantize per 32-block; the Gluon large-M kernel
         takes the group from `fp8_gemm` itself)."""
-        plain_mma = not (self.gluon or self.gemv or self.dequant_bf16)
+        plain_mma = not (self.gluon or self.gemv or self.dequant_bf16 or self.sm90)
         return 32 * self.kgroups if plain_mma else 32
 
     def to_dict(self) -> dict:
@@ -114,6 +132,9 @@ class GemmConfig:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def tag(self) -> str:
+        if self.sm90:
+            return (f"C{self.block_p}x{self.block_q}st{self.num_stages}g{self.group_p}"
+                    + (f"c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
         if self.gluon and self.swap_ab:
             return (f"LT{self.block_p}x{self.block_q}b{self.kgroups}s{self.split_k}st{self.num_stages}"
                     f"{'_pdl' if self.pdl else ''}{'_qa' if self.quant_in_kernel else ''}")
@@ -163,9 +184,12 @@ def default_config(n: int, k: int, m: int, arch: str | None = None, group: int =
     FP8-MMA winner of the first H200 sweep; bigger tiles need more registers than the per-32 promotion leaves).
     On arch "sm90", M <= 8 and K % 128 == 0 take the Gluon decode kernel (`gluon_decode_default`). With V4's
     128-groups (`group` 128) a large M takes a 128×128 tile promoted once per 128 K (what the fewer promotions
-    leave registers for)."""
+    leave registers for); with 32-groups on sm90 the CUDA kernel (`SM90_DEFAULT`, 2× the Triton tile's throughput
+    at M = 4096, benchmarks/README.md "Session 24")."""
     if arch == "sm90" and m <= GEMV_MAX_M and gluon_fits(k):
         return gluon_decode_default(n, k)
+    if arch == "sm90" and m > 64 and group == 32 and sm90_fits(n):
+        return SM90_DEFAULT
     kb = _cdiv(k, 32)
     if m <= 64:
         bq = max(16, _next_pow2(m))
@@ -218,6 +242,22 @@ def gluon_fits(k: int) -> bool:
     return k % GLUON_BLOCK_K == 0
 GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig(64, 128, 1, 4, 4, gluon=True),
                GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
+
+
+# The CUDA kernel of fp8_gemm_sm90 (M > 64), measured at M = 4096 on the H200 (benchmarks/README.md, session 24):
+# two CTAs per SM, each a 64-row tile with its own producer, 0.51-0.62 of `_scaled_mm` at 10 of the 11 shapes
+# (one CTA of two 128-row consumer warpgroups: 0.41-0.60).
+SM90_DEFAULT = GemmConfig(64, 128, 1, 8, 4, sm90=True, ctas_per_sm=2)
+SM90_SPACE = (SM90_DEFAULT, GemmConfig(64, 128, 1, 8, 3, group_p=4, sm90=True, ctas_per_sm=2),
+              GemmConfig(64, 128, 1, 8, 4, group_p=16, sm90=True, ctas_per_sm=2),
+              GemmConfig(128, 128, 1, 12, 5, group_p=4, sm90=True), GemmConfig(128, 128, 1, 12, 4, sm90=True),
+              # 96-wide tiles (three partials deep): 0.49 against 0.41 on the 576-row TP8 shared w13, slower elsewhere
+              GemmConfig(64, 96, 1, 8, 4, sm90=True, ctas_per_sm=2))
+
+
+def sm90_fits(n: int) -> bool:
+    """Whether the CUDA kernel takes this N (its output rows are written 16 bytes at a time)."""
+    return n % 8 == 0
 
 
 # The Gluon decode kernel (M <= 8): (128-K boxes per stage, ring stages). Every slot of the ring is requested up
@@ -312,6 +352,8 @@ def candidates(n: int, k: int, m: int, group: int = 32) -> list[GemmConfig]:
             out.append(dataclasses.replace(cfg, split_k=split))
         if gluon_fits(k):
             out += GLUON_SPACE
+        if sm90_fits(n):
+            out += SM90_SPACE
     # one FP8 MMA per 64 / 128 K, promoted once (the V4 reference's per-128-K promotion); offline sm_90a builds:
     # 80-214 registers, no spills (a 128×256 tile spilled)
     if group == 128:

@@ -447,6 +447,32 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
             dataclasses.replace(dec[0], **bad)
 
 
+def test_sm90_gemm_configs_validate_enter_large_m_candidates_and_the_sm90_default():
+    cfg = tuning.SM90_DEFAULT
+    assert cfg.tag() == "C64x128st4g8c2" and tuning.GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.promotes_every == 32
+    assert dataclasses.replace(cfg, block_q=96).tag() == "C64x96st4g8c2"
+    for bad in (dict(block_q=64), dict(block_p=256), dict(num_warps=12), dict(split_k=2), dict(num_stages=5),
+                dict(swap_ab=True), dict(gluon=True), dict(dequant_bf16=True), dict(kgroups=2), dict(ctas_per_sm=3),
+                dict(block_p=128, num_warps=12)):   # (two CTAs per SM take a 64-row tile)
+        with pytest.raises(AssertionError):
+            dataclasses.replace(cfg, **bad)
+    one = tuning.GemmConfig(128, 128, 1, 12, 6, sm90=True)
+    assert one.tag() == "C128x128st6g8" and one.ctas_per_sm == 1
+    with pytest.raises(AssertionError, match="ctas_per_sm is an sm90 field"):
+        tuning.GemmConfig(128, 64, ctas_per_sm=2)
+    # large M (any K) with N % 8 == 0; never at M <= 64
+    assert set(tuning.SM90_SPACE) <= set(tuning.candidates(5120, 288, 4096))
+    assert set(tuning.SM90_SPACE) <= set(tuning.candidates(576, 5120, 65, 128))
+    assert not any(c.sm90 for c in tuning.candidates(5120, 8192, 64) + tuning.candidates(5124, 8192, 4096))
+    # the sm90 default for large M with 32-groups; V4's 128-groups and other GPUs keep theirs
+    assert tuning.default_config(5120, 8192, 65, "sm90") == cfg
+    assert not tuning.default_config(5120, 8192, 64, "sm90").sm90
+    assert not tuning.default_config(5120, 8192, 4096, "sm90", 128).sm90
+    assert not tuning.default_config(5120, 8192, 4096, "sm100").sm90
+    assert not tuning.default_config(5124, 8192, 4096, "sm90").sm90
+
+
 @pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 8192), (32768, 1280), (576, 5120), (4096, 1280), (1056, 2304)])
 def test_gluon_decode_candidates_are_one_resident_wave(n, k):
     """Every decode candidate's programs are resident at once (shared memory per SM), its split is one the launcher
