@@ -275,7 +275,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
     """The FP8 GEMM rows: V4.1 (group 32) or, with group 128 and GEMM_V4_SHAPES, V4 (ops prefixed "v4_")."""
     from dsflash.plugins.act_quant import act_quant_dequant
     from dsflash.plugins.fp8_gemm import bf16_cache_weight, fp8_gemm, tile_weight
-    from dsflash.plugins.fp8_gemm_sm90 import scales_f32, weight_scales_f32
+    from dsflash.plugins.fp8_gemm_sm90 import weight_scales_f32
     from dsflash.plugins.registry import device_arch
     pre = "" if group == 32 else "v4_"
     rows = []
@@ -301,7 +301,7 @@ def bench_gemm(ceil: dict, ms: list[int], tuned: dict, deadline: float, only: se
                 xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(n_sets)]
                 acts = [refs.act_quant_ref(x, "e8m0", block=group) for x in xs]   # as fp8_linear quantizes
                 acts16 = [(refs.codes16_ref(q), s) for q, s in acts]   # what acc16 GEMVs read
-                acts32 = [(q, scales_f32(s)) for q, s in acts]   # what sm90 configs read (fp8_linear_config)
+                acts32 = [(q, refs.scale_to_fp32(s)) for q, s in acts]   # what sm90 configs read (fp8_linear_config)
                 ws_t = [weight_scales_f32(wp[1], tma=True) for wp in ws]   # an FP8Linear holds them
                 ref32 = refs.fp8_gemm_ref(*acts[0], *ws[0], torch.float32)
                 flops = 2 * m * n * k

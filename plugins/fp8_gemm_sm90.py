@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from dsflash.plugins.refs import E4M3, E8M0, QBLOCK
+from dsflash.plugins.refs import E4M3, QBLOCK, scale_to_fp32
 
 BLOCK_K = 128   # K per ring slot: 4 MMAs of k32, 4 promotions
 
@@ -58,10 +58,10 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False) -> str:
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
     wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
     constant (its descriptors one add of an immediate); the stages left over run one per iteration.
-    ws (a producer warpgroup fills the ring): a stage's first MMA only waits for its data (`stage_wait`), and the
+    ws (a producer warpgroup fills the ring): a stage's first MMA only waits for its data (`stage_ready`), and the
     slot is handed back (`release`) once the stage's last MMA completed."""
     static = body % stages == 0
-    wait = (lambda j: f"stage_wait(g, {j});") if ws else (lambda j: f"next_stage(g, ring, {j}, n_st, tid);")
+    wait = (lambda j: f"stage_ready(g, {j});") if ws else (lambda j: f"next_stage(g, ring, {j}, n_st, tid);")
 
     def code(n_st: int, last: bool, fixed: bool) -> list[str]:
         n_t = 4 * n_st
@@ -138,8 +138,8 @@ _SOURCE = r"""
 #define NT (128 * (WGS + WS))   // WS: + a producer warpgroup
 // with a producer warpgroup: its registers and the consumers' (all of a CTA's share of the 64K-register file)
 #define PRODUCER_REGS 40
-#define CONSUMER_REGS (((65536 / CTAS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8 > 232 ? 232 \
-                       : ((65536 / CTAS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
+#define CONSUMER_FIT (((65536 / CTAS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
+#define CONSUMER_REGS (CONSUMER_FIT > 232 ? 232 : CONSUMER_FIT)
 #define SLOT_A (BM * BK)
 #define SLOT_W (BN * BK)
 #define SLOT_SA (BM * 16)
@@ -205,9 +205,8 @@ __device__ __forceinline__ void produce(const Args& g, u32 ring, int n_st) {
     load_slot(g, ring + (s % STAGES) * SLOT, s, 0);
   }
 }
-// Consumers: stage j resident (no CTA barrier: each warpgroup runs at its own pace); a slot handed back by every
-// consumer thread once its reads of the slot (MMA operands, scales) are complete.
-__device__ __forceinline__ void stage_wait(const Args& g, int j) { stage_ready(g, j); }
+// Consumers wait for stage j with `stage_ready` alone (no CTA barrier: each warpgroup runs at its own pace); a slot
+// is handed back by every consumer thread once its reads of the slot (MMA operands, scales) are complete.
 __device__ __forceinline__ void release(const Args& g, u32 slot) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(g.bars + (STAGES + slot) * 8) : "memory");
 }
@@ -394,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(CONSUMER_REGS) : "memory");
-  stage_wait(g, 0);
+  stage_ready(g, 0);
 #else
   for (int s = 0; s < STAGES - 2 && s < n_st; ++s) load_slot(g, ring + s * SLOT, s, tid);
   __syncwarp();
@@ -535,19 +534,12 @@ def _compile(src: str) -> bytes:
             return f.read()
 
 
-def scales_f32(s: torch.Tensor) -> torch.Tensor:
-    """e8m0 (or its uint8 bytes) power-of-two scales as fp32, exactly; fp32 ones unchanged."""
-    if s.dtype in (E8M0, torch.uint8):
-        return s.view(torch.uint8).to(torch.int32).bitwise_left_shift(23).view(torch.float32)
-    return s.float()
-
-
 def weight_scales_f32(w_s: torch.Tensor, tma: bool = False) -> torch.Tensor:
     """W's e8m0 (or fp32) [ceil(N/32), K/32] block scales in fp32 (exact), as the kernel reads them: [ceil(N/32),
     K/32 padded to a multiple of 4] for cp.async, or transposed to [K/32 padded to 4, ceil(N/32) padded to 4] for
     TMA (a slot's box is then [4 K blocks][4 column blocks], or 8 from the aligned column below for tiles narrower
     than 128). Done once per weight (build/bind time)."""
-    f = scales_f32(w_s)
+    f = scale_to_fp32(w_s)
     if not tma:
         return pad_scales(f)
     return pad_scales(pad_scales(f).t().contiguous())
@@ -600,7 +592,7 @@ def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor
     [ceil(N/32), K/32] scales; w_s_t = weight_scales_f32(w_s, tma=True) when the caller holds it (an `FP8Linear`
     does, from bind time), else derived here (a few small launches)."""
     assert cfg.sm90, cfg
-    a_s = scales_f32(a_s)
+    a_s = scale_to_fp32(a_s)
     if w_s_t is None:
         w_s_t = weight_scales_f32(w_s, tma=True)
     return fp8_gemm_sm90(a_q, a_s, w_q, w_s_t, out, wgs=cfg.block_p // 64, stages=cfg.num_stages,
