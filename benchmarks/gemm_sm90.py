@@ -4,7 +4,7 @@
     python3 benchmarks/gemm_sm90.py [--ms 4096] [--variants 2x5,2x5t,2x6t] [--out gemm_sm90_h200.json]
     python3 benchmarks/gemm_sm90.py --mma-probe 1x1x1,2x2x1 --shapes none   # the MMA pipeline alone
 
-A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][t][w][:PROBE] (`parse_variants`; t: TMA ring; w: filled
+A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE] (`parse_variants`; t: TMA ring; w: filled
 by a producer warpgroup; c2: two CTAs per SM; probes NO_FOLD / NO_LOAD time a kernel with a quarter of the fold
 arithmetic / no loads after the prologue: wrong results).
 First checks every variant against `fp8_gemm_ref` at awkward shapes (rows, columns and K past tile and ring ends),
@@ -39,28 +39,31 @@ def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return w, s.view(refs.E8M0)
 
 
-VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\d))?(t)?(w)?(?::(\w+))?$")
+VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\d))?(?:h(\d))?(t)?(w)?(p)?(?::(\w+))?$")
 
 
 def parse_variants(text: str) -> list[dict]:
-    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][t][w][:PROBE]' (t: TMA loads; w: by a producer warpgroup;
-    cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; bBODY defaults to 2, or to STAGES with w),
+    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE]' (t: TMA loads; w: by a producer
+    warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block, 2 for two
+    half-width MMAs, DEPTH then counting half-width partials; p: scale products by the producer; bBODY defaults to 2, or to STAGES with w),
     comma-separated -> fp8_gemm_sm90 keyword sets."""
     out = []
     for item in text.split(","):
         hit = VARIANT.match(item)
         assert hit, f"bad variant {item!r}"
-        wgs, st, grp, bn, depth, body, ctas, tma, ws, probe = hit.groups()
+        wgs, st, grp, bn, depth, body, ctas, split, tma, ws, ps, probe = hit.groups()
         out.append({"wgs": int(wgs), "stages": int(st), "group_m": int(grp or 8), "bn": int(bn or 128),
                     "depth": int(depth or 2), "body": int(body or (st if ws else 2)), "tma": bool(tma),
-                    "ws": bool(ws), "ctas": int(ctas or 1), "probe": probe or ""})
+                    "ws": bool(ws), "ctas": int(ctas or 1), "split": int(split or 1), "ps": bool(ps),
+                    "probe": probe or ""})
     return out
 
 
 def tag(v: dict) -> str:
     return (f"{v['wgs']}x{v['stages']}g{v['group_m']}n{v['bn']}d{v['depth']}b{v['body']}"
-            + (f"c{v['ctas']}" if v.get("ctas", 1) > 1 else "") + ("t" if v["tma"] else "")
-            + ("w" if v.get("ws") else "") + (f":{v['probe']}" if v["probe"] else ""))
+            + (f"c{v['ctas']}" if v.get("ctas", 1) > 1 else "") + (f"h{v['split']}" if v.get("split", 1) > 1 else "")
+            + ("t" if v["tma"] else "")
+            + ("w" if v.get("ws") else "") + ("p" if v.get("ps") else "") + (f":{v['probe']}" if v["probe"] else ""))
 
 
 _MMA_PROBE = r"""
@@ -131,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="4096")
     ap.add_argument("--variants", default="2x5,2x5t,2x6t",
-                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][t][w][:NO_FOLD|NO_LOAD], comma-separated")
+                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:NO_FOLD|NO_LOAD], comma-separated")
     ap.add_argument("--shapes", default="", help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]'")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--mma-probe", default="", help="WGSxDEPTHxCHAIN combos of the MMA-only probe, e.g. 1x1x1,2x2x1")

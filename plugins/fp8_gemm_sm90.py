@@ -8,9 +8,12 @@ warp-specialized TMA form; the other forms are the measured steps to it (benchma
 "Session 24"), kept for `benchmarks/gemm_sm90.py`, with an offline build check (no spills, no serialised wgmma) and a
 GPU parity test. Structure:
 - each warpgroup keeps `depth` MMA partials: the MMA of K block t + 1 runs while block t is folded
-  (wgmma.wait_group depth - 1); the K loop is generated straight-line (`_main_loop`);
+  (wgmma.wait_group depth - 1); with `split` 2 a K block is two 64-wide MMAs into half-width partials, so at the
+  same registers (four halves) three half MMAs run during each half fold; the K loop is generated straight-line
+  (`_main_loop`);
 - the scales come in fp32 (A per 1×32, from `act_quant(x, "fp32")`; W per 32×32, `weight_scales_f32`) in the same
-  ring slot as the tiles, read one K block ahead, so a fold's scale product is one FMUL per (row, column block);
+  ring slot as the tiles, read one K block ahead, so a fold's scale product is one FMUL per (row, column block)
+  (`ps`, measured and slower: the producer's other warps write those products into the slot instead);
 - the ring is filled by TMA: by a producer warpgroup (`ws`: one thread, 40 registers, waits for each slot's
   "empty" mbarrier; the consumers take 232 registers and wait only for "full" ones), or by one consumer thread
   (`tma`: one CTA barrier per stage); or by every thread's cp.async into the 128-byte swizzle wgmma reads (one CTA
@@ -50,39 +53,56 @@ def _wgmma_asm(name: str = "mma_fresh", scale_d: int = 0, n: int = 128) -> str:
             + "}\n")
 
 
-def _main_loop(depth: int, body: int, stages: int, ws: bool = False) -> str:
+def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int = 1, ps: bool = False,
+               bn: int = 128) -> str:
     """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
-    rotation. K block t is folded after MMA t + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
+    rotation. With split 2 a K block is two MMA units (its W tile's column halves, each into a half-width partial),
+    else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
     last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
-    wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
+    first wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
     constant (its descriptors one add of an immediate); the stages left over run one per iteration.
+    ps (scale products from the producer): each unit reads its own products, one unit ahead with split 2, else just
+    before its wait (one set of 8 live registers: two would not fit next to the partials).
     ws (a producer warpgroup fills the ring): a stage's first MMA only waits for its data (`stage_ready`), and the
     slot is handed back (`release`) once the stage's last MMA completed."""
     static = body % stages == 0
     wait = (lambda j: f"stage_ready(g, {j});") if ws else (lambda j: f"next_stage(g, ring, {j}, n_st, tid);")
+    per_stage = 4 * split   # MMA units per stage
 
     def code(n_st: int, last: bool, fixed: bool) -> list[str]:
-        n_t = 4 * n_st
+        n_u = per_stage * n_st
         slot = (lambda t: f"{(t // 4) % stages}") if fixed else (lambda t: f"(s + {t // 4}) % STAGES")
         blk = lambda t: f"block_at(r, {slot(t)}, {t % 4})"
-        out = [f"issue(p{t % depth}, {blk(t)});" for t in range(min(depth - 1, n_t))]
-        out.append(f"Scales c1, c0 = scales_of({blk(0)}.sa, {blk(0)}.sw);")
-        for t in range(n_t):
-            u = t + depth - 1
-            if u < n_t:
-                if u % 4 == 0:
-                    out.append(wait(f"s + {u // 4}"))
-                out.append(f"issue(p{u % depth}, {blk(u)});")
-                if u == n_t - 1 and not last:
+        issue = lambda u: f"issue<{u % split}>(p{u % depth}, {blk(u // split)});"
+        out = [issue(u) for u in range(min(depth - 1, n_u))]
+        nb = bn // 32 // split
+        prod = lambda u: f"{blk(u // split)}.sa + {(u % split) * nb * 4}"
+        if not ps:
+            out.append(f"Scales c1, c0 = scales_of({blk(0)}.sa, {blk(0)}.sw);")
+        elif split == 2:
+            out.append(f"Scales c1, c0 = scales_of({prod(0)}, 0);")
+        for u in range(n_u):
+            t, h = divmod(u, split)
+            v = u + depth - 1
+            if v < n_u:
+                if v % per_stage == 0:
+                    out.append(wait(f"s + {v // per_stage}"))
+                out.append(issue(v))
+                if v == n_u - 1 and not last:
                     out.append(f"if (s + {n_st} < n_st) {wait(f's + {n_st}')}")
-            if t + 1 < n_t:
+            if not ps and h == 0 and t + 1 < 4 * n_st:
                 out.append(f"{{ const Block b = {blk(t + 1)}; c{(t + 1) % 2} = scales_of(b.sa, b.sw); }}")
-            out.append(f"mma_wait<{min(depth - 1, n_t - 1 - t)}>();")
-            if ws and t % 4 == 3:
+            elif ps and split == 2 and u + 1 < n_u:
+                out.append(f"c{(u + 1) % 2} = scales_of({prod(u + 1)}, 0);")
+            elif ps and split == 1:
+                out.append(f"const Scales c{u} = scales_of({prod(u)}, 0);")
+            out.append(f"mma_wait<{min(depth - 1, n_u - 1 - u)}>();")
+            if ws and u % per_stage == per_stage - 1:
                 out.append(f"release(g, {slot(t)});")
-            out.append(f"fold(acc, p{t % depth}, c{t % 2});")
+            c = f"c{u}" if ps and split == 1 else f"c{u % 2}" if ps else f"c{t % 2}"
+            out.append(f"fold<{h}>(acc, p{u % depth}, {c});")
         return out
     ind = "\n    "
     loop = lambda n, fixed: (f"  for (; s + {n} <= n_st; s += {n}) {{{ind}" + ind.join(code(n, False, fixed))
@@ -134,6 +154,7 @@ __device__ __forceinline__ u64 desc_sw128(u32 addr) {
 _SOURCE = r"""
 #define BM (64 * WGS)
 #define PR (BN / 2)   // fp32 registers per thread of an m64 x BN accumulator
+#define PU (PR / SPLIT)   // of an MMA unit's partial (m64 x BN/SPLIT)
 #define BK 128
 #define NT (128 * (WGS + WS))   // WS: + a producer warpgroup
 // with a producer warpgroup: its registers and the consumers' (all of a CTA's share of the 64K-register file)
@@ -148,7 +169,12 @@ _SOURCE = r"""
 // 8-wide row from the aligned column below (`sw_skew`).
 #define SW_ROW ((TMA && BN != 128) ? 32 : 16)
 #define SLOT_SW (4 * SW_ROW)
-#define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + 1023) / 1024 * 1024)   // slots start on 1024-byte boundaries
+// PS: the producer warpgroup's other warps multiply each K block's scales into [BM rows][4 column blocks] products
+// after the slot's loads land, so a consumer's fold reads its 2 × 4 scale products (two 16-byte loads) instead of
+// reading 6 scales and multiplying 8 pairs (one FMUL per row and column block per thread, 4 threads per row).
+#define SLOT_P (PS ? 4 * BM * 16 : 0)
+#define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + SLOT_P + 1023) / 1024 * 1024)   // slots start on 1024-byte boundaries
+#define P_OFF (SLOT_A + SLOT_W + SLOT_SA + SLOT_SW)
 
 PTX_HELPERS
 MMA_FRESH
@@ -189,6 +215,9 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 }
 __device__ __forceinline__ void stage_ready(const Args& g, int j) {
   mbar_wait(g.bars + (j % STAGES) * 8, (j / STAGES) & 1);
+#if PS   // and its scale products, written after that barrier (the third set of STAGES mbarriers)
+  mbar_wait(g.bars + (2 * STAGES + j % STAGES) * 8, (j / STAGES) & 1);
+#endif
 }
 __device__ __forceinline__ void loads_issued() { __syncwarp(); }
 
@@ -199,12 +228,43 @@ __device__ __forceinline__ void produce(const Args& g, u32 ring, int n_st) {
   for (int s = 0; s < n_st; ++s) {
     if (s >= STAGES) {
       const u32 bar = g.bars + (STAGES + s % STAGES) * 8, parity = ((s / STAGES) - 1) & 1;
-      u32 done = 0;
       mbar_wait(bar, parity);
     }
     load_slot(g, ring + (s % STAGES) * SLOT, s, 0);
   }
 }
+#if PS
+__device__ __forceinline__ void sts4(u32 addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+// The producer's warps 1..3 (thread tp of 96): once stage s has landed, its scale products
+// [4 K blocks][BM rows][4 column blocks] = sa[row][kb]·sw[kb][column block], then an arrive on the stage's products
+// mbarrier. The slot is refilled only after the consumers handed it back, so no products are overwritten early.
+__device__ __forceinline__ void multiply_scales(const Args& g, u32 ring, int n_st, int tp, u32 sw_skew) {
+  for (int s = 0; s < n_st; ++s) {
+    const u32 slot = ring + (s % STAGES) * SLOT;
+    mbar_wait(g.bars + (s % STAGES) * 8, (s / STAGES) & 1);
+    for (int row = tp; row < BM; row += 96) {
+      float a[4];
+      lds4(slot + SLOT_A + SLOT_W + row * 16, a);
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+        float w[4] = {0.f, 0.f, 0.f, 0.f};
+        const u32 sw = slot + SLOT_A + SLOT_W + SLOT_SA + kb * SW_ROW + sw_skew;
+#if SW_ROW == 16
+        lds4(sw, w);
+#else
+#pragma unroll
+        for (int b = 0; b < BN / 32; ++b) w[b] = lds(sw + 4 * b);
+#endif
+        sts4(slot + P_OFF + (kb * BM + row) * 16, a[kb] * w[0], a[kb] * w[1], a[kb] * w[2], a[kb] * w[3]);
+      }
+    }
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(g.bars + (2 * STAGES + s % STAGES) * 8)
+                 : "memory");
+  }
+}
+#endif
 // Consumers wait for stage j with `stage_ready` alone (no CTA barrier: each warpgroup runs at its own pace); a slot
 // is handed back by every consumer thread once its reads of the slot (MMA operands, scales) are complete.
 __device__ __forceinline__ void release(const Args& g, u32 slot) {
@@ -287,6 +347,27 @@ __device__ __forceinline__ void ffma_inplace(float& acc, float p, float s) {
 // The scales a thread folds one K block with: its first row's sa (the row 8 below is 128 bytes further in the slot)
 // and the K block's column-block sw. Read one K block ahead, so the shared loads are not waited for next to the
 // wgmma operand reads.
+#if PS
+// the thread's two rows' products for one MMA unit's NB column blocks (`sa`: the first, on the thread's first row)
+#define NB (BN / 32 / SPLIT)
+struct Scales {
+  float s0[NB], s1[NB];
+};
+__device__ __forceinline__ Scales scales_of(u32 sa, u32) {
+  Scales c;
+#if NB == 4
+  lds4(sa, c.s0);
+  lds4(sa + 8 * 16, c.s1);
+#else
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    c.s0[b] = lds(sa + 4 * b);
+    c.s1[b] = lds(sa + 8 * 16 + 4 * b);
+  }
+#endif
+  return c;
+}
+#else
 struct Scales {
   float a0, a1, w[4];
 };
@@ -302,24 +383,37 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
 #endif
   return c;
 }
+#endif
 
-// acc += p * (sa_row ⊗ sw_block), one FFMA per element. n8 group j of the m64nBN layout is column block j / 4;
-// registers 4j, 4j+1 are on the thread's first row, 4j+2, 4j+3 eight rows below.
-__device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PR], const Scales& c) {
+// acc += p * (sa_row ⊗ sw_block), one FFMA per element, for MMA unit H of a K block (column half H with SPLIT 2).
+// n8 group j of the m64nBN layout is column block j / 4; registers 4j, 4j+1 are on the thread's first row, 4j+2,
+// 4j+3 eight rows below.
+template <int H>
+__device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PU], const Scales& c) {
+  constexpr int A0 = H * PU;   // the unit's first accumulator register
 #ifdef PROBE_NO_FOLD   // timing probe (benchmarks/gemm_sm90.py): a quarter of the folds' FFMAs
 #pragma unroll
-  for (int i = 0; i < PR; i += 4) ffma_inplace(acc[i], p[i] + p[i + 1] * p[i + 2], p[i + 3] * c.a0);
+#if PS
+  for (int i = 0; i < PU; i += 4) ffma_inplace(acc[A0 + i], p[i] + p[i + 1] * p[i + 2], p[i + 3] * c.s0[0]);
+#else
+  for (int i = 0; i < PU; i += 4) ffma_inplace(acc[A0 + i], p[i] + p[i + 1] * p[i + 2], p[i + 3] * c.a0);
+#endif
   return;
 #endif
 #pragma unroll
-  for (int b = 0; b < BN / 32; ++b) {
-    const float s0 = c.a0 * c.w[b], s1 = c.a1 * c.w[b];
+  for (int b = 0; b < BN / 32 / SPLIT; ++b) {
+    constexpr int B0 = H * (BN / 32 / SPLIT);
+#if PS
+    const float s0 = c.s0[b], s1 = c.s1[b];
+#else
+    const float s0 = c.a0 * c.w[B0 + b], s1 = c.a1 * c.w[B0 + b];
+#endif
 #pragma unroll
     for (int j = 4 * b; j < 4 * b + 4; ++j) {
-      ffma_inplace(acc[4 * j + 0], p[4 * j + 0], s0);
-      ffma_inplace(acc[4 * j + 1], p[4 * j + 1], s0);
-      ffma_inplace(acc[4 * j + 2], p[4 * j + 2], s1);
-      ffma_inplace(acc[4 * j + 3], p[4 * j + 3], s1);
+      ffma_inplace(acc[A0 + 4 * j + 0], p[4 * j + 0], s0);
+      ffma_inplace(acc[A0 + 4 * j + 1], p[4 * j + 1], s0);
+      ffma_inplace(acc[A0 + 4 * j + 2], p[4 * j + 2], s1);
+      ffma_inplace(acc[A0 + 4 * j + 3], p[4 * j + 3], s1);
     }
   }
 }
@@ -338,12 +432,14 @@ struct Block {
 };
 __device__ __forceinline__ Block block_at(const Ring& r, u32 slot, int kb) {
   const u32 o = slot * SLOT + kb * 32;
-  return {r.da + (o >> 4), r.dw + (o >> 4), r.sa + slot * SLOT + kb * 4, r.sw + slot * SLOT + kb * SW_ROW};
+  return {r.da + (o >> 4), r.dw + (o >> 4), r.sa + slot * SLOT + kb * (PS ? BM * 16 : 4), r.sw + slot * SLOT + kb * SW_ROW};
 }
 
-__device__ __forceinline__ void issue(float (&d)[PR], const Block& b) {
+// MMA unit H of a K block: W tile rows [H·BN/SPLIT, (H + 1)·BN/SPLIT) (whole 1024-byte swizzle atoms)
+template <int H>
+__device__ __forceinline__ void issue(float (&d)[PU], const Block& b) {
   mma_fence();
-  mma_fresh(d, b.da, b.dw);
+  mma_fresh(d, b.da, b.dw + H * (BN / SPLIT * 128 / 16));
   mma_commit();
 }
 
@@ -372,6 +468,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);   // the thread's first accumulator row in the tile
   const int n_st = (K + BK - 1) / BK;
+  const u32 sw_skew = SW_ROW == 16 ? 0 : ((n0 >> 5) & 3) * 4;   // the tile's first column block in its box row
 
 #if TMA
   const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0};
@@ -383,6 +480,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(g.bars + (STAGES + q) * 8), "n"(128 * WGS)
                    : "memory");
 #endif
+#if PS
+    for (int q = 0; q < STAGES; ++q)   // products: the producer's 96 multiplying threads arrive
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 96;\n" :: "r"(g.bars + (2 * STAGES + q) * 8) : "memory");
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -390,6 +491,9 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   if (wg == WGS) {   // the producer: few registers, one thread issues every load, then leaves
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS) : "memory");
     if (tid == 128 * WGS) produce(g, ring, n_st);
+#if PS
+    else if (tid >= 128 * WGS + 32) multiply_scales(g, ring, n_st, tid - 128 * WGS - 32, sw_skew);
+#endif
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(CONSUMER_REGS) : "memory");
@@ -409,20 +513,19 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   next_stage(g, ring, 0, n_st, tid);
 #endif
 
-  float acc[PR], p0[PR], p1[PR];
+  float acc[PR], p0[PU], p1[PU];
 #if DEPTH >= 3
-  float p2[PR];
+  float p2[PU];
 #endif
 #if DEPTH >= 4
-  float p3[PR];
+  float p3[PU];
 #endif
 #pragma unroll
   for (int i = 0; i < PR; ++i) acc[i] = 0.f;   // the partials: written by their first MMA (scale-d = 0)
 
   const u32 wg_u = __shfl_sync(0xffffffffu, wg, 0);   // warp-uniform: the descriptors stay in uniform registers
-  const u32 sw_skew = SW_ROW == 16 ? 0 : ((n0 >> 5) & 3) * 4;   // the tile's first column block in its box row
-  const Ring r = {desc_sw128(ring + wg_u * 64 * 128), desc_sw128(ring + SLOT_A), ring + SLOT_A + SLOT_W + row0 * 16,
-                  ring + SLOT_A + SLOT_W + SLOT_SA + sw_skew};
+  const Ring r = {desc_sw128(ring + wg_u * 64 * 128), desc_sw128(ring + SLOT_A),
+                  ring + (PS ? P_OFF : SLOT_A + SLOT_W) + row0 * 16, ring + SLOT_A + SLOT_W + SLOT_SA + sw_skew};
 MAIN_LOOP
   // epilogue: bf16 through shared memory (padded rows), then 16-byte coalesced stores
 #if !TMA
@@ -464,12 +567,15 @@ MAIN_LOOP
 
 
 def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 128, depth: int = 2,
-                body: int = 2, tma: bool = False, ws: bool = False, ctas: int = 1) -> str:
+                body: int = 2, tma: bool = False, ws: bool = False, ctas: int = 1, split: int = 1,
+                ps: bool = False) -> str:
     """The kernel's CUDA source for one configuration (also what `benchmarks/` compiles offline with nvcc):
     wgs warpgroups (64 rows each) × bn columns per CTA, `stages` ring slots, `depth` MMA partials per warpgroup
     (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration (a multiple of `stages`: constant
     slots); tma: the slots are filled by TMA (one thread, mbarrier per slot) instead of every thread's cp.async;
-    ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws).
+    ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws); split: MMA units
+    per K block (2: two m64n(bn/2) MMAs into half-width partials, so `depth` counts half-width partials); ps: the
+    producer warpgroup's other warps multiply the scales into per-(row, column block) products (with ws).
     probe ("", "NO_FOLD", "NO_LOAD"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD keeps
     a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills."""
     assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
@@ -477,30 +583,34 @@ def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 
     assert probe in ("", "NO_FOLD", "NO_LOAD"), probe
     assert not ws or (tma and probe != "NO_LOAD"), "the producer warpgroup issues TMA loads"
     assert ctas == 1 or (ctas == 2 and ws and wgs == 1), "two CTAs per SM: one consumer warpgroup each (ws)"
+    assert split in (1, 2) and (bn // split) % 32 == 0, "an MMA unit spans whole 32-column scale blocks"
+    assert not ps or ws, "the scale products are the producer warpgroup's"
     return (f"#define WGS {wgs}\n#define STAGES {stages}\n#define GROUP_M {group_m}\n#define BN {bn}\n"
             f"#define DEPTH {depth}\n#define TMA {int(tma)}\n#define WS {int(ws)}\n#define CTAS {ctas}\n"
+            f"#define SPLIT {split}\n#define PS {int(ps)}\n"
             + (f"#define PROBE_{probe}\n" if probe else "")
-            + _SOURCE.replace("PTX_HELPERS", _PTX_HELPERS).replace("MMA_FRESH", _wgmma_asm(n=bn))
-            .replace("MAIN_LOOP", _main_loop(depth, body, stages, ws)))
+            + _SOURCE.replace("PTX_HELPERS", _PTX_HELPERS).replace("MMA_FRESH", _wgmma_asm(n=bn // split))
+            .replace("MAIN_LOOP", _main_loop(depth, body, stages, ws, split, ps, bn)))
 
 
-def smem_bytes(wgs: int, stages: int, bn: int = 128) -> int:
+def smem_bytes(wgs: int, stages: int, bn: int = 128, ps: bool = False) -> int:
     bm = 64 * wgs
     sw = 64 if bn == 128 else 128   # SLOT_SW (the cp.async path's 64 when narrower: this over-counts at most)
-    ring = stages * (-(-(bm * BLOCK_K + bn * BLOCK_K + bm * 16 + sw) // 1024) * 1024)   # SLOT in the source
-    # + the TMA path's mbarriers after the ring (full; empty with a producer warpgroup), + alignment slack for the
-    # 1024-byte swizzle atoms
-    return max(ring + 16 * stages, bm * (bn + 8) * 2) + 1024
+    products = 4 * bm * 16 if ps else 0
+    ring = stages * (-(-(bm * BLOCK_K + bn * BLOCK_K + bm * 16 + sw + products) // 1024) * 1024)   # SLOT
+    # + the TMA path's mbarriers after the ring (full; empty with a producer warpgroup; products), + alignment slack
+    # for the 1024-byte swizzle atoms
+    return max(ring + (24 if ps else 16) * stages, bm * (bn + 8) * 2) + 1024
 
 
 @functools.cache
 def _kernel(device_index: int, wgs: int, stages: int, group_m: int, probe: str, bn: int, depth: int, body: int,
-            tma: bool, ws: bool, ctas: int):
+            tma: bool, ws: bool, ctas: int, split: int, ps: bool):
     major, minor = torch.cuda.get_device_capability(device_index)
     assert (major, minor) == (9, 0), f"fp8_gemm_sm90 needs an sm_90 GPU, got sm_{major}{minor}"
     with torch.cuda.device(device_index):
-        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas),
-                           "fp8_g32_gemm_sm90", smem_bytes(wgs, stages, bn))
+        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps),
+                           "fp8_g32_gemm_sm90", smem_bytes(wgs, stages, bn, ps))
 
 
 def load_kernel(src: str, name: str, smem: int):
@@ -596,14 +706,15 @@ def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor
     if w_s_t is None:
         w_s_t = weight_scales_f32(w_s, tma=True)
     return fp8_gemm_sm90(a_q, a_s, w_q, w_s_t, out, wgs=cfg.block_p // 64, stages=cfg.num_stages,
-                         group_m=cfg.group_p, bn=cfg.block_q, depth=2 if cfg.block_q == 128 else 3,
-                         body=cfg.num_stages, tma=True, ws=True, ctas=cfg.ctas_per_sm)
+                         group_m=cfg.group_p, bn=cfg.block_q,
+                         depth=3 if cfg.block_q != 128 else 4 if cfg.mma_split == 2 else 2,
+                         body=cfg.num_stages, tma=True, ws=True, ctas=cfg.ctas_per_sm, split=cfg.mma_split)
 
 
 def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f32: torch.Tensor,
                   out: torch.Tensor | None = None, wgs: int = 2, stages: int = 5, group_m: int = 8,
                   probe: str = "", bn: int = 128, depth: int = 2, body: int = 2, tma: bool = False,
-                  ws: bool = False, ctas: int = 1) -> torch.Tensor:
+                  ws: bool = False, ctas: int = 1, split: int = 1, ps: bool = False) -> torch.Tensor:
     """a_q e4m3 [M, K] (K contiguous, 16-byte aligned rows), a_s fp32 [M, K/32] pow2 scales, w_q e4m3 [N, K]
     contiguous, sw_f32 = weight_scales_f32(w_s, tma) -> bf16 [M, N]. K % 32 == 0, N % 8 == 0."""
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
@@ -622,10 +733,10 @@ def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f3
     assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
     if m == 0 or n == 0:
         return out
-    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas)
+    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps)
     bm = 64 * wgs
     grid = -(-m // bm) * -(-n // bn)
-    smem = smem_bytes(wgs, stages, bn)
+    smem = smem_bytes(wgs, stages, bn, ps)
     assert ctas == 1 or ctas * (smem + 1024) <= 228 * 1024, f"{ctas} CTAs of {smem} bytes do not share an SM"
     if tma:
         maps = [_tensor_map(a_q, k, m, a_q.stride(0), (BLOCK_K, bm), True),

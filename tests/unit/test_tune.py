@@ -449,18 +449,23 @@ def test_gluon_gemm_configs_validate_and_enter_large_m_candidates():
 
 def test_sm90_gemm_configs_validate_enter_large_m_candidates_and_the_sm90_default():
     cfg = tuning.SM90_DEFAULT
-    assert cfg.tag() == "C64x128st4g8c2" and tuning.GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.tag() == "C64x128st4g8c2h2" and tuning.GemmConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.promotes_every == 32
-    assert dataclasses.replace(cfg, block_q=96).tag() == "C64x96st4g8c2"
+    assert dataclasses.replace(cfg, block_q=96, mma_split=1).tag() == "C64x96st4g8c2"
+    # an old tuned.json entry (no mma_split) reads as the unsplit kernel
+    old = {k: v for k, v in dataclasses.replace(cfg, mma_split=1).to_dict().items() if k != "mma_split"}
+    assert tuning.GemmConfig.from_dict(old).tag() == "C64x128st4g8c2"
     for bad in (dict(block_q=64), dict(block_p=256), dict(num_warps=12), dict(split_k=2), dict(num_stages=5),
                 dict(swap_ab=True), dict(gluon=True), dict(dequant_bf16=True), dict(kgroups=2), dict(ctas_per_sm=3),
-                dict(block_p=128, num_warps=12)):   # (two CTAs per SM take a 64-row tile)
+                dict(block_p=128, num_warps=12),   # (two CTAs per SM take a 64-row tile)
+                dict(mma_split=3), dict(block_q=96)):   # (a split MMA is two 64-wide halves of a 128-wide tile)
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
     one = tuning.GemmConfig(128, 128, 1, 12, 6, sm90=True)
-    assert one.tag() == "C128x128st6g8" and one.ctas_per_sm == 1
-    with pytest.raises(AssertionError, match="ctas_per_sm is an sm90 field"):
-        tuning.GemmConfig(128, 64, ctas_per_sm=2)
+    assert one.tag() == "C128x128st6g8" and one.ctas_per_sm == 1 and one.mma_split == 1
+    for field in ("ctas_per_sm", "mma_split"):
+        with pytest.raises(AssertionError, match="ctas_per_sm and mma_split are sm90 fields"):
+            tuning.GemmConfig(128, 64, **{field: 2})
     # large M (any K) with N % 8 == 0; never at M <= 64
     assert set(tuning.SM90_SPACE) <= set(tuning.candidates(5120, 288, 4096))
     assert set(tuning.SM90_SPACE) <= set(tuning.candidates(576, 5120, 65, 128))
