@@ -44,9 +44,9 @@ VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\
 
 def parse_variants(text: str) -> list[dict]:
     """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE]' (t: TMA loads; w: by a producer
-    warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block, 2 for two
-    half-width MMAs, DEPTH then counting half-width partials; p: scale products by the producer; bBODY defaults to 2, or to STAGES with w),
-    comma-separated -> fp8_gemm_sm90 keyword sets."""
+    warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block (2 or 4
+    narrower MMAs, DEPTH then counting the narrower partials); p: scale products by the producer; bBODY defaults
+    to 2, or to STAGES with w), comma-separated -> fp8_gemm_sm90 keyword sets."""
     out = []
     for item in text.split(","):
         hit = VARIANT.match(item)

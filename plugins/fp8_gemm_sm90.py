@@ -56,8 +56,8 @@ def _wgmma_asm(name: str = "mma_fresh", scale_d: int = 0, n: int = 128) -> str:
 def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int = 1, ps: bool = False,
                bn: int = 128) -> str:
     """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
-    rotation. With split 2 a K block is two MMA units (its W tile's column halves, each into a half-width partial),
-    else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
+    rotation. With split 2 (4) a K block is two (four) MMA units, its W tile's column halves (quarters), each into a
+    partial that narrow; else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
     last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
@@ -520,6 +520,18 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
 #if DEPTH >= 4
   float p3[PU];
 #endif
+#if DEPTH >= 5
+  float p4[PU];
+#endif
+#if DEPTH >= 6
+  float p5[PU];
+#endif
+#if DEPTH >= 7
+  float p6[PU];
+#endif
+#if DEPTH >= 8
+  float p7[PU];
+#endif
 #pragma unroll
   for (int i = 0; i < PR; ++i) acc[i] = 0.f;   // the partials: written by their first MMA (scale-d = 0)
 
@@ -574,16 +586,16 @@ def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 
     (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration (a multiple of `stages`: constant
     slots); tma: the slots are filled by TMA (one thread, mbarrier per slot) instead of every thread's cp.async;
     ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws); split: MMA units
-    per K block (2: two m64n(bn/2) MMAs into half-width partials, so `depth` counts half-width partials); ps: the
+    per K block (2 or 4: m64n(bn/split) MMAs into partials that narrow, so `depth` counts those partials); ps: the
     producer warpgroup's other warps multiply the scales into per-(row, column block) products (with ws).
     probe ("", "NO_FOLD", "NO_LOAD"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD keeps
     a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills."""
     assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
-    assert bn in (64, 96, 128) and 2 <= depth <= 4 and 1 <= body <= 8, (bn, depth, body)
+    assert bn in (64, 96, 128) and 2 <= depth <= 4 * split and 1 <= body <= 8, (bn, depth, body)
     assert probe in ("", "NO_FOLD", "NO_LOAD"), probe
     assert not ws or (tma and probe != "NO_LOAD"), "the producer warpgroup issues TMA loads"
     assert ctas == 1 or (ctas == 2 and ws and wgs == 1), "two CTAs per SM: one consumer warpgroup each (ws)"
-    assert split in (1, 2) and (bn // split) % 32 == 0, "an MMA unit spans whole 32-column scale blocks"
+    assert split in (1, 2, 4) and (bn // split) % 32 == 0, "an MMA unit spans whole 32-column scale blocks"
     assert not ps or ws, "the scale products are the producer warpgroup's"
     return (f"#define WGS {wgs}\n#define STAGES {stages}\n#define GROUP_M {group_m}\n#define BN {bn}\n"
             f"#define DEPTH {depth}\n#define TMA {int(tma)}\n#define WS {int(ws)}\n#define CTAS {ctas}\n"
