@@ -57,8 +57,9 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
                bn: int = 128) -> str:
     """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
     rotation. With split 2 (4) a K block is two (four) MMA units, its W tile's column halves (quarters), each into a
-    partial that narrow; else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run during every fold but the
-    last few of an iteration: none may still be in flight at the back edge (ptxas would serialise every wgmma, C7514).
+    partial that narrow; else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run
+    during every fold but the last few of an iteration: none may still be in flight at the back edge (ptxas would
+    serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
     first wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
@@ -173,7 +174,8 @@ _SOURCE = r"""
 // after the slot's loads land, so a consumer's fold reads its 2 × 4 scale products (two 16-byte loads) instead of
 // reading 6 scales and multiplying 8 pairs (one FMUL per row and column block per thread, 4 threads per row).
 #define SLOT_P (PS ? 4 * BM * 16 : 0)
-#define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + SLOT_P + 1023) / 1024 * 1024)   // slots start on 1024-byte boundaries
+// slots start on 1024-byte boundaries
+#define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + SLOT_P + 1023) / 1024 * 1024)
 #define P_OFF (SLOT_A + SLOT_W + SLOT_SA + SLOT_SW)
 
 PTX_HELPERS
@@ -344,9 +346,6 @@ __device__ __forceinline__ void ffma_inplace(float& acc, float p, float s) {
   asm("fma.rn.f32 %0, %1, %2, %0;\n" : "+f"(acc) : "f"(p), "f"(s));
 }
 
-// The scales a thread folds one K block with: its first row's sa (the row 8 below is 128 bytes further in the slot)
-// and the K block's column-block sw. Read one K block ahead, so the shared loads are not waited for next to the
-// wgmma operand reads.
 #if PS
 // the thread's two rows' products for one MMA unit's NB column blocks (`sa`: the first, on the thread's first row)
 #define NB (BN / 32 / SPLIT)
@@ -368,6 +367,9 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32) {
   return c;
 }
 #else
+// The scales a thread folds one K block with: its first row's sa (the row 8 below is 128 bytes further in the slot)
+// and the K block's column-block sw. Read one K block ahead, so the shared loads are not waited for next to the
+// wgmma operand reads.
 struct Scales {
   float a0, a1, w[4];
 };
@@ -385,9 +387,9 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
 }
 #endif
 
-// acc += p * (sa_row ⊗ sw_block), one FFMA per element, for MMA unit H of a K block (column half H with SPLIT 2).
-// n8 group j of the m64nBN layout is column block j / 4; registers 4j, 4j+1 are on the thread's first row, 4j+2,
-// 4j+3 eight rows below.
+// acc += p * (sa_row ⊗ sw_block), one FFMA per element, for MMA unit H of a K block (its column half or quarter H
+// when split). n8 group j of the m64nBN layout is column block j / 4; registers 4j, 4j+1 are on the thread's first
+// row, 4j+2, 4j+3 eight rows below.
 template <int H>
 __device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PU], const Scales& c) {
   constexpr int A0 = H * PU;   // the unit's first accumulator register
@@ -432,7 +434,8 @@ struct Block {
 };
 __device__ __forceinline__ Block block_at(const Ring& r, u32 slot, int kb) {
   const u32 o = slot * SLOT + kb * 32;
-  return {r.da + (o >> 4), r.dw + (o >> 4), r.sa + slot * SLOT + kb * (PS ? BM * 16 : 4), r.sw + slot * SLOT + kb * SW_ROW};
+  return {r.da + (o >> 4), r.dw + (o >> 4), r.sa + slot * SLOT + kb * (PS ? BM * 16 : 4),
+          r.sw + slot * SLOT + kb * SW_ROW};
 }
 
 // MMA unit H of a K block: W tile rows [H·BN/SPLIT, (H + 1)·BN/SPLIT) (whole 1024-byte swizzle atoms)
