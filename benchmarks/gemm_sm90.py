@@ -4,9 +4,10 @@
     python3 benchmarks/gemm_sm90.py [--ms 4096] [--variants 2x5,2x5t,2x6t] [--out gemm_sm90_h200.json]
     python3 benchmarks/gemm_sm90.py --mma-probe 1x1x1,2x2x1 --shapes none   # the MMA pipeline alone
 
-A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE] (`parse_variants`; t: TMA ring; w: filled
-by a producer warpgroup; c2: two CTAs per SM; probes NO_FOLD / NO_LOAD time a kernel with a quarter of the fold
-arithmetic / no loads after the prologue: wrong results).
+A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE] (`parse_variants`; t: TMA
+ring; w: filled by a producer warpgroup; c2: two CTAs per SM; h2 / h4: MMAs in halves / quarters; p: scale products
+by the producer; probes NO_FOLD / NO_LOAD time a kernel with a quarter of the fold arithmetic / no loads after the
+prologue: wrong results).
 First checks every variant against `fp8_gemm_ref` at awkward shapes (rows, columns and K past tile and ring ends),
 then times each shape with the bench's graph-replayed timing (input sets rotated past the L2). Prints one table
 (µs, TFLOP/s, ratio to `_scaled_mm` at the same shape) and writes the rows as JSON.
@@ -62,8 +63,8 @@ def parse_variants(text: str) -> list[dict]:
 def tag(v: dict) -> str:
     return (f"{v['wgs']}x{v['stages']}g{v['group_m']}n{v['bn']}d{v['depth']}b{v['body']}"
             + (f"c{v['ctas']}" if v.get("ctas", 1) > 1 else "") + (f"h{v['split']}" if v.get("split", 1) > 1 else "")
-            + ("t" if v["tma"] else "")
-            + ("w" if v.get("ws") else "") + ("p" if v.get("ps") else "") + (f":{v['probe']}" if v["probe"] else ""))
+            + ("t" if v["tma"] else "") + ("w" if v.get("ws") else "") + ("p" if v.get("ps") else "")
+            + (f":{v['probe']}" if v["probe"] else ""))
 
 
 _MMA_PROBE = r"""
@@ -134,7 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="4096")
     ap.add_argument("--variants", default="2x5,2x5t,2x6t",
-                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:NO_FOLD|NO_LOAD], comma-separated")
+                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:NO_FOLD|NO_LOAD], "
+                         "comma-separated")
     ap.add_argument("--shapes", default="", help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]'")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--mma-probe", default="", help="WGSxDEPTHxCHAIN combos of the MMA-only probe, e.g. 1x1x1,2x2x1")

@@ -174,6 +174,7 @@ _SOURCE = r"""
 // after the slot's loads land, so a consumer's fold reads its 2 × 4 scale products (two 16-byte loads) instead of
 // reading 6 scales and multiplying 8 pairs (one FMUL per row and column block per thread, 4 threads per row).
 #define SLOT_P (PS ? 4 * BM * 16 : 0)
+#define PS_THREADS 96   // the producer's warps 1..3 write the products (warp 0's first thread issues the loads)
 // slots start on 1024-byte boundaries
 #define SLOT ((SLOT_A + SLOT_W + SLOT_SA + SLOT_SW + SLOT_P + 1023) / 1024 * 1024)
 #define P_OFF (SLOT_A + SLOT_W + SLOT_SA + SLOT_SW)
@@ -239,14 +240,14 @@ __device__ __forceinline__ void produce(const Args& g, u32 ring, int n_st) {
 __device__ __forceinline__ void sts4(u32 addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
-// The producer's warps 1..3 (thread tp of 96): once stage s has landed, its scale products
+// The producer's warps 1..3 (thread tp of PS_THREADS): once stage s has landed, its scale products
 // [4 K blocks][BM rows][4 column blocks] = sa[row][kb]·sw[kb][column block], then an arrive on the stage's products
 // mbarrier. The slot is refilled only after the consumers handed it back, so no products are overwritten early.
 __device__ __forceinline__ void multiply_scales(const Args& g, u32 ring, int n_st, int tp, u32 sw_skew) {
   for (int s = 0; s < n_st; ++s) {
     const u32 slot = ring + (s % STAGES) * SLOT;
     mbar_wait(g.bars + (s % STAGES) * 8, (s / STAGES) & 1);
-    for (int row = tp; row < BM; row += 96) {
+    for (int row = tp; row < BM; row += PS_THREADS) {
       float a[4];
       lds4(slot + SLOT_A + SLOT_W + row * 16, a);
 #pragma unroll
@@ -404,10 +405,10 @@ __device__ __forceinline__ void fold(float (&acc)[PR], const float (&p)[PU], con
 #endif
 #pragma unroll
   for (int b = 0; b < BN / 32 / SPLIT; ++b) {
-    constexpr int B0 = H * (BN / 32 / SPLIT);
 #if PS
     const float s0 = c.s0[b], s1 = c.s1[b];
 #else
+    constexpr int B0 = H * (BN / 32 / SPLIT);   // the unit's first column block
     const float s0 = c.a0 * c.w[B0 + b], s1 = c.a1 * c.w[B0 + b];
 #endif
 #pragma unroll
@@ -484,8 +485,9 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
                    : "memory");
 #endif
 #if PS
-    for (int q = 0; q < STAGES; ++q)   // products: the producer's 96 multiplying threads arrive
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 96;\n" :: "r"(g.bars + (2 * STAGES + q) * 8) : "memory");
+    for (int q = 0; q < STAGES; ++q)   // products: every multiplying thread of the producer arrives
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(g.bars + (2 * STAGES + q) * 8), "n"(PS_THREADS)
+                   : "memory");
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -495,7 +497,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS) : "memory");
     if (tid == 128 * WGS) produce(g, ring, n_st);
 #if PS
-    else if (tid >= 128 * WGS + 32) multiply_scales(g, ring, n_st, tid - 128 * WGS - 32, sw_skew);
+    else if (tid >= 128 * (WGS + 1) - PS_THREADS)
+      multiply_scales(g, ring, n_st, tid - (128 * (WGS + 1) - PS_THREADS), sw_skew);
 #endif
     return;
   }
