@@ -4,10 +4,10 @@
     python3 benchmarks/gemm_sm90.py [--ms 4096] [--variants 2x5,2x5t,2x6t] [--out gemm_sm90_h200.json]
     python3 benchmarks/gemm_sm90.py --mma-probe 1x1x1,2x2x1 --shapes none   # the MMA pipeline alone
 
-A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE] (`parse_variants`; t: TMA
-ring; w: filled by a producer warpgroup; c2: two CTAs per SM; h2 / h4: MMAs in halves / quarters; p: scale products
-by the producer; probes NO_FOLD / NO_LOAD time a kernel with a quarter of the fold arithmetic / no loads after the
-prologue: wrong results).
+A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE] (`parse_variants`; t: TMA
+ring; w: filled by a producer warpgroup; c2: two CTAs per SM; h2 / h4: MMAs in halves / quarters; m2 / m4: clusters of
+2 / 4 row tiles sharing one multicast W tile; p: scale products by the producer; probes NO_FOLD / NO_LOAD / NO_MMA
+time a kernel with a quarter of the fold arithmetic / no loads after the prologue / loads only: wrong results).
 First checks every variant against `fp8_gemm_ref` at awkward shapes (rows, columns and K past tile and ring ends),
 then times each shape with the bench's graph-replayed timing (input sets rotated past the L2). Prints one table
 (µs, TFLOP/s, ratio to `_scaled_mm` at the same shape) and writes the rows as JSON.
@@ -34,35 +34,44 @@ PARITY_SHAPES = [(1, 136, 160), (77, 200, 288), (130, 264, 416), (257, 520, 1312
                  (4096, 576, 5120)]
 
 
-def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def weight(n: int, k: int, gen: torch.Generator, quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight and its e8m0 32×32 scales: N(0, 2) cast to e4m3 with random scales (sessions 23-25), or
+    (quantized) a N(0, 0.02) weight block-quantized as the converter does, each block's codes spanning e4m3's range
+    (the build's tuner and `bench-kernels` time these; session 26: the default config took 455 µs at wo_b TP1 there,
+    505-590 µs on the N(0, 2) codes here)."""
+    if quantized:
+        return refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV, generator=gen) * 0.02)
     w = (torch.randn(n, k, device=DEV, generator=gen) * 2).to(torch.float8_e4m3fn)
     s = torch.randint(116, 124, (-(-n // 32), k // 32), device=DEV, dtype=torch.uint8, generator=gen)
     return w, s.view(refs.E8M0)
 
 
-VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\d))?(?:h(\d))?(t)?(w)?(p)?(?::(\w+))?$")
+VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\d))?(?:h(\d))?(?:m(\d))?(t)?(w)?(p)?"
+                     r"(?::(\w+))?$")
 
 
 def parse_variants(text: str) -> list[dict]:
-    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:PROBE]' (t: TMA loads; w: by a producer
+    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE]' (t: TMA loads; w: by a producer
     warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block (2 or 4
-    narrower MMAs, DEPTH then counting the narrower partials); p: scale products by the producer; bBODY defaults
-    to 2, or to STAGES with w), comma-separated -> fp8_gemm_sm90 keyword sets."""
+    narrower MMAs, DEPTH then counting the narrower partials); mCLUSTER: CTAs per cluster sharing a multicast W tile
+    (with w); p: scale products by the producer; bBODY defaults to 2, or to STAGES with w), comma-separated ->
+    fp8_gemm_sm90 keyword sets."""
     out = []
     for item in text.split(","):
         hit = VARIANT.match(item)
         assert hit, f"bad variant {item!r}"
-        wgs, st, grp, bn, depth, body, ctas, split, tma, ws, ps, probe = hit.groups()
+        wgs, st, grp, bn, depth, body, ctas, split, cluster, tma, ws, ps, probe = hit.groups()
         out.append({"wgs": int(wgs), "stages": int(st), "group_m": int(grp or 8), "bn": int(bn or 128),
                     "depth": int(depth or 2), "body": int(body or (st if ws else 2)), "tma": bool(tma),
                     "ws": bool(ws), "ctas": int(ctas or 1), "split": int(split or 1), "ps": bool(ps),
-                    "probe": probe or ""})
+                    "cluster": int(cluster or 1), "probe": probe or ""})
     return out
 
 
 def tag(v: dict) -> str:
     return (f"{v['wgs']}x{v['stages']}g{v['group_m']}n{v['bn']}d{v['depth']}b{v['body']}"
             + (f"c{v['ctas']}" if v.get("ctas", 1) > 1 else "") + (f"h{v['split']}" if v.get("split", 1) > 1 else "")
+            + (f"m{v['cluster']}" if v.get("cluster", 1) > 1 else "")
             + ("t" if v["tma"] else "") + ("w" if v.get("ws") else "") + ("p" if v.get("ps") else "")
             + (f":{v['probe']}" if v["probe"] else ""))
 
@@ -135,11 +144,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="4096")
     ap.add_argument("--variants", default="2x5,2x5t,2x6t",
-                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][t][w][p][:NO_FOLD|NO_LOAD], "
+                    help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p]"
+                         "[:NO_FOLD|NO_LOAD|NO_MMA], "
                          "comma-separated")
     ap.add_argument("--shapes", default="", help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]'")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--mma-probe", default="", help="WGSxDEPTHxCHAIN combos of the MMA-only probe, e.g. 1x1x1,2x2x1")
+    ap.add_argument("--quantized-weights", action="store_true",
+                    help="time block-quantized weights (as the build's tuner does) instead of N(0, 2) e4m3 codes")
     ap.add_argument("--out", default="gemm_sm90_h200.json")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
@@ -169,7 +181,7 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             flops = 2 * m * n * k
             n_sets = input_sets(n * k + m * k)
-            ws = [weight(n, k, gen) for _ in range(n_sets)]
+            ws = [weight(n, k, gen, args.quantized_weights) for _ in range(n_sets)]
             sws = {t: [weight_scales_f32(s, t) for _, s in ws] for t in (False, True)}
             acts32 = [act_quant(torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen), "fp32")
                       for _ in range(n_sets)]

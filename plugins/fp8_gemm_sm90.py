@@ -19,11 +19,14 @@ GPU parity test. Structure:
   (`tma`: one CTA barrier per stage); or by every thread's cp.async into the 128-byte swizzle wgmma reads (one CTA
   barrier per 128-K stage);
 - with `body` a multiple of the ring size every K block's slot is a constant, so its wgmma descriptors are an add
-  of an immediate to two uniform registers (84 instructions per warp and K block against 98: 64 of them FFMA).
+  of an immediate to two uniform registers (84 instructions per warp and K block against 98: 64 of them FFMA);
+- `cluster` 2 / 4 (measured, not a build candidate: no faster, session 26): thread-block clusters of that many row
+  tiles, each CTA's producer loading a share of the common W tile that TMA multicasts into every CTA's slot; each
+  consumer warp hands a slot back to every CTA of the cluster.
 Tile: BM = 64·WGS rows (one consumer warpgroup per 64), BN columns (64/96/128), 128 K per ring slot, STAGES slots;
 with a producer, one CTA per SM or (`ctas` 2, one consumer warpgroup) two. Compiled by NVRTC
 (`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per configuration and process;
-launched with cuLaunchKernel on the current stream (no host sync; the TMA descriptors are kernel parameters, encoded
+launched with cuLaunchKernel (cuLaunchKernelEx with clusters) on the current stream (no host sync; the TMA descriptors are kernel parameters, encoded
 on the host per call).
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _wgmma_asm(name: str = "mma_fresh", scale_d: int = 0, n: int = 128) -> str:
 
 
 def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int = 1, ps: bool = False,
-               bn: int = 128) -> str:
+               bn: int = 128, no_mma: bool = False) -> str:
     """The K loop, generated straight-line: `body` stages (4 K blocks each) per iteration, `depth` partials p0.. in
     rotation. With split 2 (4) a K block is two (four) MMA units, its W tile's column halves (quarters), each into a
     partial that narrow; else one. Unit u is folded after unit u + depth - 1 was issued, so depth - 1 MMAs run
@@ -67,7 +70,9 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
     ps (scale products from the producer): each unit reads its own products, one unit ahead with split 2, else just
     before its wait (one set of 8 live registers: two would not fit next to the partials).
     ws (a producer warpgroup fills the ring): a stage's first MMA only waits for its data (`stage_ready`), and the
-    slot is handed back (`release`) once the stage's last MMA completed."""
+    slot is handed back (`release`) once the stage's last MMA completed.
+    no_mma (the NO_MMA timing probe): the loop keeps its waits and hand-backs and drops its MMAs and folds, so it
+    times the ring's loads alone."""
     static = body % stages == 0
     wait = (lambda j: f"stage_ready(g, {j});") if ws else (lambda j: f"next_stage(g, ring, {j}, n_st, tid);")
     per_stage = 4 * split   # MMA units per stage
@@ -104,6 +109,8 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
                 out.append(f"release(g, {slot(t)});")
             c = f"c{u}" if ps and split == 1 else f"c{u % 2}" if ps else f"c{t % 2}"
             out.append(f"fold<{h}>(acc, p{u % depth}, {c});")
+        if no_mma:
+            out = [line for line in out if not line.startswith(("issue<", "mma_wait<", "fold<"))]
         return out
     ind = "\n    "
     loop = lambda n, fixed: (f"  for (; s + {n} <= n_st; s += {n}) {{{ind}" + ind.join(code(n, False, fixed))
@@ -192,18 +199,51 @@ struct Args {
   const TmaDesc *a, *w, *sa, *sw;
   u32 bars;   // STAGES mbarriers, 8 bytes apart
   int m0, n0;
+#if CM > 1
+  int rank;   // the CTA's rank in its cluster
+#endif
 };
 __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(bar) : "memory");
 }
+#ifdef PROBE_NO_MCAST   // timing probe: clusters launched, each CTA loads its whole W tile (no multicast)
+#define MC 1
+#else
+#define MC CM   // CTAs a W tile is multicast to
+#endif
+#if CM > 1
+// A cluster of CM CTAs (CM row tiles of one W column tile): each loads a CM-th of the W tile and the TMA multicasts
+// it into the same slot offset of every CTA of the cluster, completing bytes on each one's slot barrier; so each CTA
+// reads BM + BN/CM rows of operands from L2 per K instead of BM + BN.
+__device__ __forceinline__ void tma_2d_multicast(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(bar), "h"((unsigned short)((1 << CM) - 1)) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// every thread of every CTA of the cluster (barrier inits, fenced by fence.mbarrier_init, visible before any remote
+// arrive; no CTA leaves while a peer may still arrive on its barriers). Relaxed: a release arrive at cluster scope
+// is a MEMBAR.ALL.GPU first.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.relaxed;\nbarrier.cluster.wait;\n" ::: "memory");
+}
+#endif
 __device__ __forceinline__ void load_slot(const Args& g, u32 slot, int s, int tid) {
   if (tid != 0) return;
   const u32 bar = g.bars + (s % STAGES) * 8;
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                :: "r"(bar), "r"(SLOT_A + SLOT_W + SLOT_SA + SLOT_SW) : "memory");
   tma_2d(slot, g.a, s * BK, g.m0, bar);
+#if MC > 1
+  tma_2d_multicast(slot + SLOT_A + g.rank * (SLOT_W / CM), g.w, s * BK, g.n0 + g.rank * (BN / CM), bar);
+#else
   tma_2d(slot + SLOT_A, g.w, s * BK, g.n0, bar);
+#endif
   tma_2d(slot + SLOT_A + SLOT_W, g.sa, s * 4, g.m0, bar);
   tma_2d(slot + SLOT_A + SLOT_W + SLOT_SA, g.sw, (g.n0 >> 5) & ~3, s * 4, bar);
 }
@@ -269,9 +309,23 @@ __device__ __forceinline__ void multiply_scales(const Args& g, u32 ring, int n_s
 }
 #endif
 // Consumers wait for stage j with `stage_ready` alone (no CTA barrier: each warpgroup runs at its own pace); a slot
-// is handed back by every consumer thread once its reads of the slot (MMA operands, scales) are complete.
+// is handed back by every consumer thread once its reads of the slot (MMA operands, scales) are complete. In a
+// cluster every CTA's producer writes into the slot, so each consumer warp (its wgmma wait passed in all its lanes)
+// hands it back to every CTA of the cluster: one arrive per warp and CTA, with the default (CTA-scope) release: at
+// cluster scope ptxas puts a MEMBAR.ALL.GPU before each (session 26: 1.6-2.8x slower).
 __device__ __forceinline__ void release(const Args& g, u32 slot) {
+#if CM > 1
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int c = 0; c < MC; ++c)
+      asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+                   "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
+                   :: "r"(g.bars + (STAGES + slot) * 8), "r"(MC > 1 ? c : g.rank) : "memory");
+  }
+#else
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(g.bars + (STAGES + slot) * 8) : "memory");
+#endif
 }
 // a barrier of the consumer warpgroups only (the producer has left)
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" :: "n"(128 * WGS) : "memory"); }
@@ -463,11 +517,20 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   const u32 ring = (raw + 1023) & ~1023u;
 
   // grouped tile order: GROUP_M row tiles share each W column tile while it is in L2
+#if CM > 1   // the grouped order over clusters of CM row tiles (CM·BM rows; a cluster is CM consecutive CTAs)
+  const int tid = threadIdx.x, pid = blockIdx.x / CM;
+  const int npm = (M + CM * BM - 1) / (CM * BM), npn = (N + BN - 1) / BN;
+  const int group = GROUP_M * npn, first = (pid / group) * GROUP_M;
+  const int gsize = min(npm - first, GROUP_M);
+  const int rank = (int)cluster_rank();
+  const int m0 = (first + (pid % group) % gsize) * CM * BM + rank * BM, n0 = ((pid % group) / gsize) * BN;
+#else
   const int tid = threadIdx.x, pid = blockIdx.x;
   const int npm = (M + BM - 1) / BM, npn = (N + BN - 1) / BN;
   const int group = GROUP_M * npn, first = (pid / group) * GROUP_M;
   const int gsize = min(npm - first, GROUP_M);
   const int m0 = (first + (pid % group) % gsize) * BM, n0 = ((pid % group) / gsize) * BN;
+#endif
 
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);   // the thread's first accumulator row in the tile
@@ -475,14 +538,18 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   const u32 sw_skew = SW_ROW == 16 ? 0 : ((n0 >> 5) & 3) * 4;   // the tile's first column block in its box row
 
 #if TMA
+#if CM > 1
+  const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0, rank};
+#else
   const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0};
+#endif
   if (tid == 0) {
     for (int q = 0; q < STAGES; ++q)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(g.bars + q * 8) : "memory");
 #if WS
-    for (int q = 0; q < STAGES; ++q)   // empty: every consumer thread arrives
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(g.bars + (STAGES + q) * 8), "n"(128 * WGS)
-                   : "memory");
+    for (int q = 0; q < STAGES; ++q)   // empty: every consumer thread arrives (in a cluster: every consumer warp)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(g.bars + (STAGES + q) * 8),
+                   "n"(CM > 1 ? 4 * WGS * MC : 128 * WGS) : "memory");
 #endif
 #if PS
     for (int q = 0; q < STAGES; ++q)   // products: every multiplying thread of the producer arrives
@@ -491,7 +558,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+#if CM > 1
+  cluster_sync();
+#else
   __syncthreads();
+#endif
 #if WS
   if (wg == WGS) {   // the producer: few registers, one thread issues every load, then leaves
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS) : "memory");
@@ -499,6 +570,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
 #if PS
     else if (tid >= 128 * (WGS + 1) - PS_THREADS)
       multiply_scales(g, ring, n_st, tid - (128 * (WGS + 1) - PS_THREADS), sw_skew);
+#endif
+#if CM > 1
+    __syncwarp();
+    cluster_sync();
 #endif
     return;
   }
@@ -580,35 +655,43 @@ MAIN_LOOP
                    :: "l"(Out + (long long)(m0 + r) * N + n0 + c), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
     }
   }
+#if CM > 1
+  cluster_sync();
+#endif
 }
 """
 
 
 def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 128, depth: int = 2,
                 body: int = 2, tma: bool = False, ws: bool = False, ctas: int = 1, split: int = 1,
-                ps: bool = False) -> str:
+                ps: bool = False, cluster: int = 1) -> str:
     """The kernel's CUDA source for one configuration (also what `benchmarks/` compiles offline with nvcc):
     wgs warpgroups (64 rows each) × bn columns per CTA, `stages` ring slots, `depth` MMA partials per warpgroup
     (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration (a multiple of `stages`: constant
     slots); tma: the slots are filled by TMA (one thread, mbarrier per slot) instead of every thread's cp.async;
     ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws); split: MMA units
     per K block (2 or 4: m64n(bn/split) MMAs into partials that narrow, so `depth` counts those partials); ps: the
-    producer warpgroup's other warps multiply the scales into per-(row, column block) products (with ws).
-    probe ("", "NO_FOLD", "NO_LOAD"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD keeps
-    a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills."""
+    producer warpgroup's other warps multiply the scales into per-(row, column block) products (with ws); cluster:
+    CTAs per thread-block cluster (2 or 4 row tiles of one W tile, with ws), each loading a share of the W tile that
+    TMA multicasts to all of them.
+    probe ("", "NO_FOLD", "NO_LOAD", "NO_MMA"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD
+    keeps a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills, NO_MMA keeps the loads
+    and drops the MMAs and folds, NO_MCAST launches the clusters without the multicast (right results)."""
     assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
     assert bn in (64, 96, 128) and 2 <= depth <= 4 * split and 1 <= body <= 8, (bn, depth, body)
-    assert probe in ("", "NO_FOLD", "NO_LOAD"), probe
+    assert probe in ("", "NO_FOLD", "NO_LOAD", "NO_MMA", "NO_MCAST"), probe
     assert not ws or (tma and probe != "NO_LOAD"), "the producer warpgroup issues TMA loads"
     assert ctas == 1 or (ctas == 2 and ws and wgs == 1), "two CTAs per SM: one consumer warpgroup each (ws)"
     assert split in (1, 2, 4) and (bn // split) % 32 == 0, "an MMA unit spans whole 32-column scale blocks"
     assert not ps or ws, "the scale products are the producer warpgroup's"
+    assert cluster in (1, 2, 4) and (cluster == 1 or ws) and (bn // cluster) % 8 == 0, \
+        "a cluster's W tile is multicast by the producers, in whole 8-row swizzle atoms"
     return (f"#define WGS {wgs}\n#define STAGES {stages}\n#define GROUP_M {group_m}\n#define BN {bn}\n"
             f"#define DEPTH {depth}\n#define TMA {int(tma)}\n#define WS {int(ws)}\n#define CTAS {ctas}\n"
-            f"#define SPLIT {split}\n#define PS {int(ps)}\n"
+            f"#define SPLIT {split}\n#define PS {int(ps)}\n#define CM {cluster}\n"
             + (f"#define PROBE_{probe}\n" if probe else "")
             + _SOURCE.replace("PTX_HELPERS", _PTX_HELPERS).replace("MMA_FRESH", _wgmma_asm(n=bn // split))
-            .replace("MAIN_LOOP", _main_loop(depth, body, stages, ws, split, ps, bn)))
+            .replace("MAIN_LOOP", _main_loop(depth, body, stages, ws, split, ps, bn, probe == "NO_MMA")))
 
 
 def smem_bytes(wgs: int, stages: int, bn: int = 128, ps: bool = False) -> int:
@@ -623,11 +706,12 @@ def smem_bytes(wgs: int, stages: int, bn: int = 128, ps: bool = False) -> int:
 
 @functools.cache
 def _kernel(device_index: int, wgs: int, stages: int, group_m: int, probe: str, bn: int, depth: int, body: int,
-            tma: bool, ws: bool, ctas: int, split: int, ps: bool):
+            tma: bool, ws: bool, ctas: int, split: int, ps: bool, cluster: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     assert (major, minor) == (9, 0), f"fp8_gemm_sm90 needs an sm_90 GPU, got sm_{major}{minor}"
     with torch.cuda.device(device_index):
-        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps),
+        return load_kernel(cuda_source(wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps,
+                                       cluster),
                            "fp8_g32_gemm_sm90", smem_bytes(wgs, stages, bn, ps))
 
 
@@ -702,15 +786,41 @@ def _tensor_map(t: torch.Tensor, inner: int, outer: int, row_bytes: int, box: tu
 
 
 def _launch_tma(kern, grid: int, threads: int, smem: int, maps: list, out: torch.Tensor, m: int, n: int,
-                k: int) -> None:
-    """cuLaunchKernel with four by-value tensor maps (torch's launcher passes only pointers and scalars)."""
+                k: int, cluster: int = 1) -> None:
+    """cuLaunchKernel with four by-value tensor maps (torch's launcher passes only pointers and scalars); with
+    cluster > 1, cuLaunchKernelEx with clusters of that many consecutive CTAs."""
     import ctypes
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
     lib = _get_gpu_runtime_library()
     scalars = [ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
     params = (ctypes.c_void_p * 8)(*[addr for _, addr in maps], *[ctypes.addressof(v) for v in scalars])
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    _check_cuda(lib.cuLaunchKernel(kern.func, grid, 1, 1, threads, 1, 1, smem, stream, params, None))
+    if cluster == 1:
+        _check_cuda(lib.cuLaunchKernel(kern.func, grid, 1, 1, threads, 1, 1, smem, stream, params, None))
+        return
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[:3] = [cluster, 1, 1]
+    cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+    _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None))
+
+
+def _launch_types():
+    """ctypes mirrors of the driver's CUlaunchAttribute (an id, padding, a 64-byte value union) and CUlaunchConfig."""
+    import ctypes
+
+    class LaunchAttribute(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
+
+    class LaunchConfig(ctypes.Structure):
+        _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                    ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                    ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+    return LaunchAttribute, LaunchConfig
+
+
+_LaunchAttribute, _LaunchConfig = _launch_types()
+_CLUSTER_DIMENSION = 4   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 
 
 def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg,
@@ -732,7 +842,7 @@ def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor
 def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f32: torch.Tensor,
                   out: torch.Tensor | None = None, wgs: int = 2, stages: int = 5, group_m: int = 8,
                   probe: str = "", bn: int = 128, depth: int = 2, body: int = 2, tma: bool = False,
-                  ws: bool = False, ctas: int = 1, split: int = 1, ps: bool = False) -> torch.Tensor:
+                  ws: bool = False, ctas: int = 1, split: int = 1, ps: bool = False, cluster: int = 1) -> torch.Tensor:
     """a_q e4m3 [M, K] (K contiguous, 16-byte aligned rows), a_s fp32 [M, K/32] pow2 scales, w_q e4m3 [N, K]
     contiguous, sw_f32 = weight_scales_f32(w_s, tma) -> bf16 [M, N]. K % 32 == 0, N % 8 == 0."""
     assert a_q.dtype == E4M3 and w_q.dtype == E4M3, (a_q.dtype, w_q.dtype)
@@ -751,18 +861,18 @@ def fp8_gemm_sm90(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, sw_f3
     assert out.shape == (m, n) and out.is_contiguous() and out.dtype == torch.bfloat16
     if m == 0 or n == 0:
         return out
-    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps)
+    kern = _kernel(a_q.device.index, wgs, stages, group_m, probe, bn, depth, body, tma, ws, ctas, split, ps, cluster)
     bm = 64 * wgs
-    grid = -(-m // bm) * -(-n // bn)
+    grid = -(-m // (bm * cluster)) * cluster * -(-n // bn)   # whole clusters (rows past M are zero-filled)
     smem = smem_bytes(wgs, stages, bn, ps)
     assert ctas == 1 or ctas * (smem + 1024) <= 228 * 1024, f"{ctas} CTAs of {smem} bytes do not share an SM"
     if tma:
         maps = [_tensor_map(a_q, k, m, a_q.stride(0), (BLOCK_K, bm), True),
-                _tensor_map(w_q, k, n, k, (BLOCK_K, bn), True),
+                _tensor_map(w_q, k, n, k, (BLOCK_K, bn // (1 if probe == "NO_MCAST" else cluster)), True),
                 _tensor_map(sa, sa.shape[1], m, sa.shape[1] * 4, (4, bm), False),
                 _tensor_map(sw_f32, sw_f32.shape[1], sw_f32.shape[0], sw_f32.shape[1] * 4,
                             (4 if bn == 128 else 8, 4), False)]   # (SW_ROW in the source)
-        _launch_tma(kern, grid, 128 * (wgs + ws), smem, maps, out, m, n, k)
+        _launch_tma(kern, grid, 128 * (wgs + ws), smem, maps, out, m, n, k, cluster)
         return out
     kern(grid=(grid, 1, 1), block=(128 * wgs, 1, 1),
          args=[a_q, sa, w_q, sw_f32, out, m, n, k, a_q.stride(0), sa.shape[1], sw_f32.shape[1]], shared_mem=smem)

@@ -29,7 +29,10 @@ CONFIGS = [dict(wgs=2, stages=5, group_m=8), dict(wgs=1, stages=4, group_m=16),
            dict(wgs=1, stages=3, group_m=8, body=3, tma=True, ws=True, ctas=2, ps=True),
            dict(wgs=1, stages=3, group_m=8, depth=4, body=3, tma=True, ws=True, ctas=2, split=2, ps=True),
            dict(wgs=2, stages=5, group_m=8, depth=4, body=5, tma=True, ws=True, split=2, ps=True),
-           dict(wgs=1, stages=3, group_m=8, bn=96, depth=3, body=3, tma=True, ws=True, ctas=2, ps=True)]
+           dict(wgs=1, stages=3, group_m=8, bn=96, depth=3, body=3, tma=True, ws=True, ctas=2, ps=True),
+           dict(wgs=1, stages=4, group_m=8, depth=4, body=4, tma=True, ws=True, ctas=2, split=2, cluster=2),
+           dict(wgs=1, stages=4, group_m=8, bn=96, depth=3, body=4, tma=True, ws=True, ctas=2, cluster=2),
+           dict(wgs=2, stages=5, group_m=4, depth=4, body=5, tma=True, ws=True, split=2, cluster=4)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc (no GPU needed)")
