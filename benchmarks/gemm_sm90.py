@@ -4,10 +4,11 @@
     python3 benchmarks/gemm_sm90.py [--ms 4096] [--variants 2x5,2x5t,2x6t] [--out gemm_sm90_h200.json]
     python3 benchmarks/gemm_sm90.py --mma-probe 1x1x1,2x2x1 --shapes none   # the MMA pipeline alone
 
-A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE] (`parse_variants`; t: TMA
-ring; w: filled by a producer warpgroup; c2: two CTAs per SM; h2 / h4: MMAs in halves / quarters; m2 / m4: clusters of
-2 / 4 row tiles sharing one multicast W tile; p: scale products by the producer; probes NO_FOLD / NO_LOAD / NO_MMA
-time a kernel with a quarter of the fold arithmetic / no loads after the prologue / loads only: wrong results).
+A variant is WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE] (`parse_variants`;
+t: TMA ring; w: filled by a producer warpgroup; c2: two CTAs per SM; h2 / h4: MMAs in halves / quarters; m2 / m4:
+clusters of 2 / 4 row tiles sharing one multicast W tile; p: scale products by the producer; probes NO_FOLD / NO_LOAD
+/ NO_MMA time a kernel with a quarter of the fold arithmetic / no loads after the prologue / loads only: wrong
+results; NO_MCAST launches a cluster variant's clusters without the multicast).
 First checks every variant against `fp8_gemm_ref` at awkward shapes (rows, columns and K past tile and ring ends),
 then times each shape with the bench's graph-replayed timing (input sets rotated past the L2). Prints one table
 (µs, TFLOP/s, ratio to `_scaled_mm` at the same shape) and writes the rows as JSON.
@@ -50,8 +51,8 @@ VARIANT = re.compile(r"(\d)x(\d)(?:g(\d+))?(?:n(\d+))?(?:d(\d))?(?:b(\d))?(?:c(\
 
 
 def parse_variants(text: str) -> list[dict]:
-    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE]' (t: TMA loads; w: by a producer
-    warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block (2 or 4
+    """'WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p][:PROBE]' (t: TMA loads; w: by a
+    producer warpgroup; cCTAS: CTAs per SM, 2 with one consumer warpgroup and w; hSPLIT: MMA units per K block (2 or 4
     narrower MMAs, DEPTH then counting the narrower partials); mCLUSTER: CTAs per cluster sharing a multicast W tile
     (with w); p: scale products by the producer; bBODY defaults to 2, or to STAGES with w), comma-separated ->
     fp8_gemm_sm90 keyword sets."""
@@ -144,8 +145,7 @@ def main() -> None:
     ap.add_argument("--ms", default="4096")
     ap.add_argument("--variants", default="2x5,2x5t,2x6t",
                     help="WGSxSTAGES[gGROUP_M][nBN][dDEPTH][bBODY][cCTAS][hSPLIT][mCLUSTER][t][w][p]"
-                         "[:NO_FOLD|NO_LOAD|NO_MMA], "
-                         "comma-separated")
+                         "[:NO_FOLD|NO_LOAD|NO_MMA|NO_MCAST], comma-separated")
     ap.add_argument("--shapes", default="", help="only these GEMM shapes, e.g. 'wq_b[tp1],wo_b[tp8]'")
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--mma-probe", default="", help="WGSxDEPTHxCHAIN combos of the MMA-only probe, e.g. 1x1x1,2x2x1")

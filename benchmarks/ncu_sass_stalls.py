@@ -18,7 +18,8 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def summarize(path: str, top: int = 20) -> dict:
-    rows = list(csv.reader(open(path)))
+    with open(path) as f:
+        rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     hdr = rows[start]
     data = [dict(zip(hdr, r)) for r in rows[start + 1:] if len(r) == len(hdr)]
@@ -45,9 +46,11 @@ def summarize(path: str, top: int = 20) -> dict:
         "opcodes": [{"opcode": op, "samples_pct": share(c["samples"]), "executed": int(c["executed"]),
                      "reasons_pct": {k: share(v) for k, v in c.most_common()
                                      if k not in ("samples", "executed") and share(v) >= 0.3}}
-                    for op, c in sorted(per_op.items(), key=lambda kv: -kv[1]["samples"]) if share(c["samples"]) >= 0.3],
+                    for op, c in sorted(per_op.items(), key=lambda kv: -kv[1]["samples"])
+                    if share(c["samples"]) >= 0.3],
         "instructions": [{"sass": r["Source"].strip(), "samples_pct": share(num(r, SAMPLES)),
-                          "reasons_pct": {s[6:]: share(num(r, s)) for s in reasons if num(r, s) >= 0.15 * num(r, SAMPLES)}}
+                          "reasons_pct": {s[6:]: share(num(r, s)) for s in reasons
+                                          if num(r, s) >= 0.15 * num(r, SAMPLES)}}
                          for r in sorted(data, key=lambda r: -num(r, SAMPLES))[:top]],
     }
 

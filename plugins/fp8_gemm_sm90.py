@@ -26,11 +26,12 @@ GPU parity test. Structure:
 Tile: BM = 64·WGS rows (one consumer warpgroup per 64), BN columns (64/96/128), 128 K per ring slot, STAGES slots;
 with a producer, one CTA per SM or (`ctas` 2, one consumer warpgroup) two. Compiled by NVRTC
 (`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per configuration and process;
-launched with cuLaunchKernel (cuLaunchKernelEx with clusters) on the current stream (no host sync; the TMA descriptors are kernel parameters, encoded
-on the host per call).
+launched with cuLaunchKernel (cuLaunchKernelEx with clusters) on the current stream (no host sync; the TMA
+descriptors are kernel parameters, encoded on the host per call).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -152,6 +153,11 @@ __device__ __forceinline__ float lds(u32 addr) {
 __device__ __forceinline__ void lds4(u32 addr, float (&v)[4]) {
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(addr));
 }
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
 // K-major operand tile, rows of 128 bytes in the 128-byte swizzle (8-row atoms of 1024 bytes).
 __device__ __forceinline__ u64 desc_sw128(u32 addr) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
@@ -199,9 +205,7 @@ struct Args {
   const TmaDesc *a, *w, *sa, *sw;
   u32 bars;   // STAGES mbarriers, 8 bytes apart
   int m0, n0;
-#if CM > 1
-  int rank;   // the CTA's rank in its cluster
-#endif
+  int rank;   // the CTA's rank in its cluster (0 without clusters)
 };
 __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
@@ -220,11 +224,6 @@ __device__ __forceinline__ void tma_2d_multicast(u32 dst, const TmaDesc* map, in
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
                " [%0], [%1, {%2, %3}], [%4], %5;\n"
                :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(bar), "h"((unsigned short)((1 << CM) - 1)) : "memory");
-}
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
 }
 // every thread of every CTA of the cluster (barrier inits, fenced by fence.mbarrier_init, visible before any remote
 // arrive; no CTA leaves while a peer may still arrive on its barriers). Relaxed: a release arrive at cluster scope
@@ -516,21 +515,13 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
   const u32 ring = (raw + 1023) & ~1023u;
 
-  // grouped tile order: GROUP_M row tiles share each W column tile while it is in L2
-#if CM > 1   // the grouped order over clusters of CM row tiles (CM·BM rows; a cluster is CM consecutive CTAs)
-  const int tid = threadIdx.x, pid = blockIdx.x / CM;
+  // grouped tile order: GROUP_M row tiles (clusters of CM row tiles: CM consecutive CTAs) share each W column tile
+  // while it is in L2
+  const int tid = threadIdx.x, pid = blockIdx.x / CM, rank = CM > 1 ? (int)cluster_rank() : 0;
   const int npm = (M + CM * BM - 1) / (CM * BM), npn = (N + BN - 1) / BN;
   const int group = GROUP_M * npn, first = (pid / group) * GROUP_M;
   const int gsize = min(npm - first, GROUP_M);
-  const int rank = (int)cluster_rank();
-  const int m0 = (first + (pid % group) % gsize) * CM * BM + rank * BM, n0 = ((pid % group) / gsize) * BN;
-#else
-  const int tid = threadIdx.x, pid = blockIdx.x;
-  const int npm = (M + BM - 1) / BM, npn = (N + BN - 1) / BN;
-  const int group = GROUP_M * npn, first = (pid / group) * GROUP_M;
-  const int gsize = min(npm - first, GROUP_M);
-  const int m0 = (first + (pid % group) % gsize) * BM, n0 = ((pid % group) / gsize) * BN;
-#endif
+  const int m0 = ((first + (pid % group) % gsize) * CM + rank) * BM, n0 = ((pid % group) / gsize) * BN;
 
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);   // the thread's first accumulator row in the tile
@@ -538,11 +529,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) fp8_g32_gemm_sm90(
   const u32 sw_skew = SW_ROW == 16 ? 0 : ((n0 >> 5) & 3) * 4;   // the tile's first column block in its box row
 
 #if TMA
-#if CM > 1
   const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0, rank};
-#else
-  const Args g = {&map_a, &map_w, &map_sa, &map_sw, ring + STAGES * SLOT, m0, n0};
-#endif
   if (tid == 0) {
     for (int q = 0; q < STAGES; ++q)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(g.bars + q * 8) : "memory");
@@ -771,7 +758,6 @@ def pad_scales(s: torch.Tensor) -> torch.Tensor:
 def _tensor_map(t: torch.Tensor, inner: int, outer: int, row_bytes: int, box: tuple[int, int], swizzle128: bool):
     """A 2-D TMA descriptor (CUtensorMap, 128 bytes, 64-byte aligned host buffer) over `t`, uint8 or fp32, rows of
     `inner` elements `row_bytes` apart; zero fill past the ends."""
-    import ctypes
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
     lib = _get_gpu_runtime_library()
     raw = ctypes.create_string_buffer(128 + 64)
@@ -789,7 +775,6 @@ def _launch_tma(kern, grid: int, threads: int, smem: int, maps: list, out: torch
                 k: int, cluster: int = 1) -> None:
     """cuLaunchKernel with four by-value tensor maps (torch's launcher passes only pointers and scalars); with
     cluster > 1, cuLaunchKernelEx with clusters of that many consecutive CTAs."""
-    import ctypes
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
     lib = _get_gpu_runtime_library()
     scalars = [ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
@@ -804,22 +789,19 @@ def _launch_tma(kern, grid: int, threads: int, smem: int, maps: list, out: torch
     _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None))
 
 
-def _launch_types():
-    """ctypes mirrors of the driver's CUlaunchAttribute (an id, padding, a 64-byte value union) and CUlaunchConfig."""
-    import ctypes
-
-    class LaunchAttribute(ctypes.Structure):
-        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
-
-    class LaunchConfig(ctypes.Structure):
-        _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                    ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                    ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-    return LaunchAttribute, LaunchConfig
+class _LaunchAttribute(ctypes.Structure):
+    """The driver's CUlaunchAttribute: an id, padding, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
 
 
-_LaunchAttribute, _LaunchConfig = _launch_types()
+class _LaunchConfig(ctypes.Structure):
+    """The driver's CUlaunchConfig."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
 _CLUSTER_DIMENSION = 4   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 
 
