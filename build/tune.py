@@ -301,10 +301,6 @@ CUDA_MAX_CALLS = 512
 CUDA_REPS = 7
 
 
-def _time_us(fn, device: str = "cpu", reps: int = 2) -> float:
-    return _cuda_time_us(fn) if device == "cuda" else _cpu_time_us(fn, reps)
-
-
 def _cpu_time_us(fn, reps: int = 2) -> float:
     fn()  # warm-up, not counted
     best = float("inf")
@@ -315,12 +311,14 @@ def _cpu_time_us(fn, reps: int = 2) -> float:
     return best
 
 
-def _cuda_time_us(fn) -> float:
-    """Median per-call time of a CUDA graph of back-to-back calls (serve replays graphs too, so no launch gaps
-    count), rotating over the input sets of a `_Rotation`."""
-    from dsflash.plugins.timing import graph_time_us
-    calls = getattr(fn, "calls", [fn])
-    return graph_time_us(calls, CUDA_TARGET_US, CUDA_REPS, max_rounds=CUDA_MAX_CALLS, max_calls=CUDA_MAX_CALLS)[0]
+def _cuda_times_us(fns: list) -> list[float]:
+    """Median per-call times of CUDA graphs of back-to-back calls (serve replays graphs too, so no launch gaps
+    count), each rotating over the input sets of a `_Rotation`; the candidates' replays interleaved, so that none
+    is timed on a card its predecessors heated (`timing.graph_time_many`)."""
+    from dsflash.plugins.timing import graph_time_many
+    sets = [getattr(fn, "calls", [fn]) for fn in fns]
+    return [us for us, _ in graph_time_many(sets, CUDA_TARGET_US, CUDA_REPS, max_rounds=CUDA_MAX_CALLS,
+                                            max_calls=CUDA_MAX_CALLS)]
 
 
 # -- tuning -----------------------------------------------------------------------------------------------------------
@@ -346,12 +344,26 @@ def _tune_bucket(op: TunableOp, bucket: dict) -> tuple[dict | None, dict[str, st
     """The bucket's entry (None: no candidate ran) and the failed candidates' errors."""
     times: dict[str, float] = {}
     failed: dict[str, str] = {}
+    made: dict[str, Callable] = {}
     for cand in op.candidates(bucket):
         key = _key(cand)
         try:
-            times[key] = _time_us(op.make(bucket, cand), op.device)
+            fn = op.make(bucket, cand)
+            if op.device == "cuda":
+                made[key] = fn   # timed below, all together
+            else:
+                times[key] = _cpu_time_us(fn)
         except Exception as e:  # a config that fails to compile, launch or verify is recorded, never fatal
             failed[key] = f"{type(e).__name__}: {str(e)[:300]}"
+    if made:
+        try:
+            times |= dict(zip(made, _cuda_times_us(list(made.values()))))
+        except Exception:  # one of them fails on replay: time them one by one to find it
+            for key, fn in made.items():
+                try:
+                    times[key] = _cuda_times_us([fn])[0]
+                except Exception as e:
+                    failed[key] = f"{type(e).__name__}: {str(e)[:300]}"
     if not times:
         return None, failed
     best = min(times, key=times.get)

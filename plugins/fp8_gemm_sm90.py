@@ -37,6 +37,7 @@ import functools
 import torch
 
 from dsflash.plugins.refs import E4M3, QBLOCK, scale_to_fp32
+from dsflash.plugins.tuning import sm90_depth
 
 BLOCK_K = 128   # K per ring slot: 4 MMAs of k32, 4 promotions
 
@@ -66,7 +67,8 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
     serialise every wgmma, C7514).
     A stage's first MMA waits for the stage (`next_stage`: its data, then one CTA barrier); the wait for the next
     iteration's first stage is taken while this one's last MMAs run. Block t + 1's scales are read before block t's
-    first wait and fold. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
+    first wait and fold, or, where block t + 1 opens a stage whose wait comes later (depth <= split), right after
+    that wait. With body a multiple of `stages` every iteration starts on slot 0, so each block's slot is a
     constant (its descriptors one add of an immediate); the stages left over run one per iteration.
     ps (scale products from the producer): each unit reads its own products, one unit ahead with split 2, else just
     before its wait (one set of 8 live registers: two would not fit next to the partials).
@@ -84,6 +86,14 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
         blk = lambda t: f"block_at(r, {slot(t)}, {t % 4})"
         issue = lambda u: f"issue<{u % split}>(p{u % depth}, {blk(u // split)});"
         out = [issue(u) for u in range(min(depth - 1, n_u))]
+        # block b's scales are read during block b - 1 (its first unit), but never before the wait for b's stage:
+        # with depth <= split that wait comes later, in the iteration that issues b's first MMA
+        read_at = {}
+        for b in range(1, 4 * n_st):
+            u_read = (b - 1) * split
+            if b % 4 == 0:
+                u_read = max(u_read, b * split - (depth - 1))
+            read_at.setdefault(u_read, []).append(b)
         nb = bn // 32 // split
         prod = lambda u: f"{blk(u // split)}.sa + {(u % split) * nb * 4}"
         if not ps:
@@ -99,11 +109,12 @@ def _main_loop(depth: int, body: int, stages: int, ws: bool = False, split: int 
                 out.append(issue(v))
                 if v == n_u - 1 and not last:
                     out.append(f"if (s + {n_st} < n_st) {wait(f's + {n_st}')}")
-            if not ps and h == 0 and t + 1 < 4 * n_st:
-                out.append(f"{{ const Block b = {blk(t + 1)}; c{(t + 1) % 2} = scales_of(b.sa, b.sw); }}")
-            elif ps and split == 2 and u + 1 < n_u:
+            if not ps:
+                for b in read_at.get(u, []):
+                    out.append(f"{{ const Block b = {blk(b)}; c{b % 2} = scales_of(b.sa, b.sw); }}")
+            elif split == 2 and u + 1 < n_u:
                 out.append(f"c{(u + 1) % 2} = scales_of({prod(u + 1)}, 0);")
-            elif ps and split == 1:
+            elif split == 1:
                 out.append(f"const Scales c{u} = scales_of({prod(u)}, 0);")
             out.append(f"mma_wait<{min(depth - 1, n_u - 1 - u)}>();")
             if ws and u % per_stage == per_stage - 1:
@@ -425,7 +436,7 @@ __device__ __forceinline__ Scales scales_of(u32 sa, u32) {
 // and the K block's column-block sw. Read one K block ahead, so the shared loads are not waited for next to the
 // wgmma operand reads.
 struct Scales {
-  float a0, a1, w[4];
+  float a0, a1, w[BN > 128 ? BN / 32 : 4];
 };
 __device__ __forceinline__ Scales scales_of(u32 sa, u32 sw) {
   Scales c;
@@ -664,12 +675,15 @@ def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 
     probe ("", "NO_FOLD", "NO_LOAD", "NO_MMA"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD
     keeps a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills, NO_MMA keeps the loads
     and drops the MMAs and folds, NO_MCAST launches the clusters without the multicast (right results)."""
-    assert wgs in (1, 2) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
-    assert bn in (64, 96, 128) and 2 <= depth <= 4 * split and 1 <= body <= 8, (bn, depth, body)
+    assert wgs in (1, 2, 3) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)
+    assert bn in (64, 96, 128, 192, 256) and 2 <= depth <= 4 * split and 1 <= body <= 8, (bn, depth, body)
+    assert bn <= 128 or (ws and not ps), \
+        "tiles wider than 128 columns: TMA loads by a producer warpgroup, scales multiplied by the consumers"
     assert probe in ("", "NO_FOLD", "NO_LOAD", "NO_MMA", "NO_MCAST"), probe
     assert not ws or (tma and probe != "NO_LOAD"), "the producer warpgroup issues TMA loads"
     assert ctas == 1 or (ctas == 2 and ws and wgs == 1), "two CTAs per SM: one consumer warpgroup each (ws)"
-    assert split in (1, 2, 4) and (bn // split) % 32 == 0, "an MMA unit spans whole 32-column scale blocks"
+    assert split in (1, 2, 3, 4) and bn % split == 0 and (bn // split) % 32 == 0, \
+        "an MMA unit spans whole 32-column scale blocks"
     assert not ps or ws, "the scale products are the producer warpgroup's"
     assert cluster in (1, 2, 4) and (cluster == 1 or ws) and (bn // cluster) % 8 == 0, \
         "a cluster's W tile is multicast by the producers, in whole 8-row swizzle atoms"
@@ -816,8 +830,7 @@ def fp8_gemm_sm90_config(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor
     if w_s_t is None:
         w_s_t = weight_scales_f32(w_s, tma=True)
     return fp8_gemm_sm90(a_q, a_s, w_q, w_s_t, out, wgs=cfg.block_p // 64, stages=cfg.num_stages,
-                         group_m=cfg.group_p, bn=cfg.block_q,
-                         depth=3 if cfg.block_q != 128 else 4 if cfg.mma_split == 2 else 2,
+                         group_m=cfg.group_p, bn=cfg.block_q, depth=sm90_depth(cfg.block_q, cfg.mma_split),
                          body=cfg.num_stages, tma=True, ws=True, ctas=cfg.ctas_per_sm, split=cfg.mma_split)
 
 

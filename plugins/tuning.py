@@ -49,7 +49,10 @@ class GemmConfig:
     TMA ring slots filled by a producer warpgroup (num_warps counts it), group_p the grouped tile order;
     ctas_per_sm 2 (one consumer warpgroup, at most 4 slots): two CTAs share each SM's registers and shared memory;
     mma_split 2 (128-wide tiles): each K block's MMA as two 64-wide ones into four half-width partials, so three
-    half MMAs run during each half fold instead of one whole MMA during a whole fold (same registers).
+    half MMAs run during each half fold instead of one whole MMA during a whole fold (same registers). 192- and
+    256-wide tiles (128 rows, one CTA per SM) read fewer operand bytes per MMA flop (their loads alone outrun
+    `_scaled_mm`, "Session 27"); mma_split 2-4 cuts their MMAs to 96 or 64 columns so two partials fit next to the
+    accumulator (`sm90_depth`).
     """
     block_p: int = 128
     block_q: int = 128
@@ -77,13 +80,18 @@ class GemmConfig:
             assert not (self.gluon or self.dequant_bf16 or self.tiled_w or self.gemv or self.acc16 or self.block_k
                         or self.swap_ab or self.maxnreg or self.pdl or self.quant_in_kernel), \
                 "sm90 configs are the CUDA large-M kernel and take no other path's options"
-            assert self.block_p in (64, 128) and self.block_q in (96, 128), f"sm90 tile {self.block_p}x{self.block_q}"
+            assert self.block_p in (64, 128) and self.block_q in (96, 128, 192, 256), \
+                f"sm90 tile {self.block_p}x{self.block_q}"
             assert self.num_warps == 4 * (self.block_p // 64 + 1), "sm90: a warpgroup per 64 rows + the producer"
             assert 3 <= self.num_stages <= 6 and self.split_k == 1 and self.kgroups == 1, self
             assert self.ctas_per_sm == 1 or (self.ctas_per_sm == 2 and self.block_p == 64 and self.num_stages <= 4), \
                 "two CTAs per SM: a 64-row tile and at most 4 ring slots"
-            assert self.mma_split == 1 or (self.mma_split == 2 and self.block_q == 128), \
-                "mma_split 2: two 64-wide MMAs of a 128-wide tile"
+            assert self.block_q <= 128 or (self.block_p == 128 and self.ctas_per_sm == 1
+                                           and self.num_stages <= (4 if self.block_q == 256 else 5)), \
+                "tiles wider than 128: 128 rows, one CTA per SM, the ring in 227 KB"
+            assert self.mma_split in (1, 2, 3, 4) and self.block_q % (32 * self.mma_split) == 0, \
+                "mma_split: MMA units of whole 32-column scale blocks"
+            assert sm90_depth(self.block_q, self.mma_split) >= 2, "the partials leave no room for a second MMA"
             return
         assert self.ctas_per_sm == 1 and self.mma_split == 1, "ctas_per_sm and mma_split are sm90 fields"
         if self.gluon:
@@ -250,6 +258,13 @@ GLUON_SPACE = (GemmConfig(64, 128, 1, 4, 3, gluon=True, maxnreg=168), GemmConfig
                GemmConfig(64, 64, 1, 4, 3, gluon=True, maxnreg=128), GemmConfig(128, 128, 1, 8, 3, gluon=True))
 
 
+def sm90_depth(block_q: int, mma_split: int) -> int:
+    """MMA partials an sm90 consumer thread rotates: as many m64 × (block_q / mma_split) partials as fit next to
+    its m64 × block_q accumulator in 192 fp32 registers (the rest of the 232 hold addresses, scales and the loop):
+    depth - 1 MMAs run during each fold."""
+    return min(4 * mma_split, (384 - block_q) * mma_split // block_q)
+
+
 # The CUDA kernel of fp8_gemm_sm90 (M > 64), measured at M = 4096 on the H200 (benchmarks/README.md, sessions 24
 # and 25): two CTAs per SM, each a 64-row tile with its own producer, 0.51-0.62 of `_scaled_mm` at 10 of the 11
 # shapes (one CTA of two 128-row consumer warpgroups: 0.41-0.60); with the MMA split in halves, as fast or up to
@@ -261,7 +276,10 @@ SM90_SPACE = (SM90_DEFAULT, GemmConfig(64, 128, 1, 8, 3, sm90=True, ctas_per_sm=
               GemmConfig(64, 128, 1, 8, 4, group_p=16, sm90=True, ctas_per_sm=2),
               GemmConfig(128, 128, 1, 12, 5, group_p=4, sm90=True), GemmConfig(128, 128, 1, 12, 4, sm90=True),
               # 96-wide tiles (three partials deep): 0.49 against 0.41 on the 576-row TP8 shared w13, slower elsewhere
-              GemmConfig(64, 96, 1, 8, 4, sm90=True, ctas_per_sm=2))
+              GemmConfig(64, 96, 1, 8, 4, sm90=True, ctas_per_sm=2),
+              # 256 wide (session 27): the fastest at 6 of the 11 shapes in interleaved timing, 3-7 % faster than
+              # the default there; slow where its few tiles leave a wave part empty (wq_a). 192 wide: never the fastest.
+              GemmConfig(128, 256, 1, 12, 4, sm90=True, mma_split=4))
 
 
 def sm90_fits(n: int) -> bool:

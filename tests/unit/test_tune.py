@@ -163,6 +163,31 @@ def test_tune_records_failed_candidates_without_crashing(caplog):
     assert data["skipped"] == [{"op": "toy", "reason": "every candidate failed", "buckets": [{"m": 2}]}]
 
 
+def test_gpu_candidates_are_timed_together_and_a_failing_one_is_isolated(monkeypatch):
+    """A GPU bucket's candidates are all made first, then timed in one interleaved call (`_cuda_times_us`: the card's
+    clock falls within ~50 ms of full load, so candidates timed one after another would meet different clocks); if
+    that call fails, each is timed alone and only the failing one is recorded."""
+    batches = []
+
+    def times_of(fns):
+        batches.append(len(fns))
+        return [fn() for fn in fns]   # a runnable here returns its own "time"
+
+    monkeypatch.setattr(tune_mod, "_cuda_times_us", times_of)
+
+    def make(bucket, cfg):
+        return (lambda: _raise("launch error")) if cfg["c"] == "bad-run" else (lambda: float(cfg["c"]))
+    op = TunableOp("toy", lambda eng: [{"m": 1}], lambda b: [{"c": 3}, {"c": 1}, {"c": 2}], make, {"c": 1},
+                   device="cuda")
+    entry, failed = tune_mod._tune_bucket(op, {"m": 1})
+    assert batches == [3] and entry["config"] == {"c": 1} and entry["time_us"] == 1.0 and not failed
+    batches.clear()
+    op = dataclasses.replace(op, candidates=lambda b: [{"c": 3}, {"c": "bad-run"}, {"c": 2}])
+    entry, failed = tune_mod._tune_bucket(op, {"m": 1})
+    assert batches == [3, 1, 1, 1] and entry["config"] == {"c": 2}
+    assert list(failed) == ['{"c": "bad-run"}'] and "launch error" in failed['{"c": "bad-run"}']
+
+
 def test_time_budget_skips_the_remaining_buckets(caplog):
     op = TunableOp("toy", lambda eng: [{"m": 1}, {"m": 8}], lambda b: [{"c": 1}], lambda b, c: (lambda: None), {"c": 1})
     with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
@@ -458,9 +483,18 @@ def test_sm90_gemm_configs_validate_enter_large_m_candidates_and_the_sm90_defaul
     for bad in (dict(block_q=64), dict(block_p=256), dict(num_warps=12), dict(split_k=2), dict(num_stages=5),
                 dict(swap_ab=True), dict(gluon=True), dict(dequant_bf16=True), dict(kgroups=2), dict(ctas_per_sm=3),
                 dict(block_p=128, num_warps=12),   # (two CTAs per SM take a 64-row tile)
-                dict(mma_split=3), dict(block_q=96)):   # (a split MMA is two 64-wide halves of a 128-wide tile)
+                dict(mma_split=3), dict(block_q=96)):   # (MMA units span whole 32-column scale blocks)
         with pytest.raises(AssertionError):
             dataclasses.replace(cfg, **bad)
+    # 192 / 256 wide: 128 rows, one CTA, a ring that fits, MMAs narrow enough that two partials fit beside the
+    # accumulator (sm90_depth)
+    wide = tuning.GemmConfig(128, 256, 1, 12, 4, sm90=True, mma_split=4)
+    assert wide.tag() == "C128x256st4g8h4" and tuning.sm90_depth(256, 4) == 2 and tuning.sm90_depth(192, 3) == 3
+    assert [tuning.sm90_depth(*q) for q in ((96, 1), (128, 1), (128, 2), (192, 2))] == [3, 2, 4, 2]
+    for bad in (dict(mma_split=2), dict(num_stages=5), dict(block_p=64, num_warps=8, ctas_per_sm=2),
+                dict(block_q=192, mma_split=1), dict(block_q=160, mma_split=1)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(wide, **bad)
     one = tuning.GemmConfig(128, 128, 1, 12, 6, sm90=True)
     assert one.tag() == "C128x128st6g8" and one.ctas_per_sm == 1 and one.mma_split == 1
     for field in ("ctas_per_sm", "mma_split"):
