@@ -23,8 +23,11 @@ GPU parity test. Structure:
 - `cluster` 2 / 4 (measured, not a build candidate: no faster, session 26): thread-block clusters of that many row
   tiles, each CTA's producer loading a share of the common W tile that TMA multicasts into every CTA's slot; each
   consumer warp hands a slot back to every CTA of the cluster.
-Tile: BM = 64·WGS rows (one consumer warpgroup per 64), BN columns (64/96/128), 128 K per ring slot, STAGES slots;
-with a producer, one CTA per SM or (`ctas` 2, one consumer warpgroup) two. Compiled by NVRTC
+- 192- and 256-wide tiles (128 rows, session 27; 256 wide a build candidate) land half the operand bytes per MMA
+  flop of the 64 × 128 pair; their MMAs split in 64- or 96-wide units so two partials fit beside the accumulator
+  (`tuning.sm90_depth`); three consumer warpgroups (192 rows, 152 registers each) are a measured variant.
+Tile: BM = 64·WGS rows (one consumer warpgroup per 64), BN columns (64/96/128/192/256), 128 K per ring slot, STAGES
+slots; with a producer, one CTA per SM or (`ctas` 2, one consumer warpgroup) two. Compiled by NVRTC
 (`torch.cuda._utils._nvrtc_compile`, sm_90a; nvcc where torch has no NVRTC) once per configuration and process;
 launched with cuLaunchKernel (cuLaunchKernelEx with clusters) on the current stream (no host sync; the TMA
 descriptors are kernel parameters, encoded on the host per call).
