@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_sm90 import parse_variants, tag  # noqa: E402
+from gemm_sm90 import parse_variants, tag, weight  # noqa: E402
 
 from dsflash.plugins import refs  # noqa: E402
 from dsflash.plugins.bench import GEMM_SHAPES  # noqa: E402
@@ -151,7 +151,7 @@ def main() -> None:
         m = args.m
         flops = 2 * m * n * k
         n_sets = input_sets(n * k + m * k)
-        ws = [refs.quant_weight_fp8_ref(torch.randn(n, k, device=DEV, generator=gen) * 0.02) for _ in range(n_sets)]
+        ws = [weight(n, k, gen, quantized=True) for _ in range(n_sets)]   # as the converter writes them
         sw = {t: [weight_scales_f32(s, t) for _, s in ws] for t in (False, True)}
         acts = [refs.act_quant_ref((torch.randn(m, k, device=DEV, generator=gen) * 2).to(torch.bfloat16), "e8m0")
                 for _ in range(n_sets)]

@@ -671,11 +671,11 @@ def cuda_source(wgs: int, stages: int, group_m: int, probe: str = "", bn: int = 
     (depth - 1 MMAs in flight during a fold), `body` stages per K-loop iteration (a multiple of `stages`: constant
     slots); tma: the slots are filled by TMA (one thread, mbarrier per slot) instead of every thread's cp.async;
     ws: by a producer warpgroup (TMA); ctas: CTAs per SM (2: one consumer warpgroup each, with ws); split: MMA units
-    per K block (2 or 4: m64n(bn/split) MMAs into partials that narrow, so `depth` counts those partials); ps: the
+    per K block (2-4: m64n(bn/split) MMAs into partials that narrow, so `depth` counts those partials); ps: the
     producer warpgroup's other warps multiply the scales into per-(row, column block) products (with ws); cluster:
     CTAs per thread-block cluster (2 or 4 row tiles of one W tile, with ws), each loading a share of the W tile that
     TMA multicasts to all of them.
-    probe ("", "NO_FOLD", "NO_LOAD", "NO_MMA"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD
+    probe ("", "NO_FOLD", "NO_LOAD", "NO_MMA", "NO_MCAST"): a timing probe of benchmarks/gemm_sm90.py (wrong results): NO_FOLD
     keeps a quarter of the fold arithmetic, NO_LOAD loads only the slots the prologue fills, NO_MMA keeps the loads
     and drops the MMAs and folds, NO_MCAST launches the clusters without the multicast (right results)."""
     assert wgs in (1, 2, 3) and 3 <= stages <= 8 and group_m >= 1, (wgs, stages, group_m)

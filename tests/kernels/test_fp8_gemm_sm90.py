@@ -60,7 +60,8 @@ def test_sm90_kernel_builds_without_spills_or_serialised_mma(tmp_path, cfg):
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_sm90_gemm_parity(m, n, k, cfg):
     from dsflash.plugins.act_quant import act_quant
-    from dsflash.plugins.fp8_gemm_sm90 import fp8_gemm_sm90, weight_scales_f32
+    from dsflash.plugins import tuning
+    from dsflash.plugins.fp8_gemm_sm90 import fp8_gemm_sm90, fp8_gemm_sm90_config, weight_scales_f32
     w = torch.randn(n, k, device="cuda") * 0.02 * torch.logspace(-2, 2, k // 32, device="cuda").repeat_interleave(32)
     w_q, w_s = refs.quant_weight_fp8_ref(w)
     x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, m, device="cuda").unsqueeze(-1)).to(torch.bfloat16)
@@ -70,9 +71,7 @@ def test_sm90_gemm_parity(m, n, k, cfg):
     assert refs.rel_err(out, refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)) < 1e-2
     # every configuration folds each element's 32-blocks in the same order: the same bits as the default's. (A read
     # of scales before their stage landed once left 2e-3 of wrong values, well inside the tolerance above.)
-    default = fp8_gemm_sm90(a_q, a_s, w_q, weight_scales_f32(w_s, True), wgs=1, stages=4, depth=4, body=4, tma=True,
-                            ws=True, ctas=2, split=2)
-    assert torch.equal(out, default)
+    assert torch.equal(out, fp8_gemm_sm90_config(a_q, a_s, w_q, w_s, tuning.SM90_DEFAULT))
 
 
 @pytest.mark.gpu
