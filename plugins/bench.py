@@ -84,6 +84,21 @@ def replaced_by_run(row: dict, sections: list[str], ms: list[int], moe_only: set
     return True
 
 
+def merged_results(previous: dict, result: dict, sections: list[str], ms: list[int],
+                   moe_only: set[str] | None = None, gemm_only: set[str] | None = None) -> dict:
+    """An earlier results file with a `--merge` run folded in: the run's rows replace the ones it re-ran
+    (`replaced_by_run`), the others and the earlier ceilings are kept, the run is listed in `merged_runs`, and its
+    `tuned` entries replace those of the same NxK@bucket key while the other buckets' entries stay."""
+    doc = dict(previous)
+    doc["rows"] = [r for r in previous["rows"] if not replaced_by_run(r, sections, ms, moe_only, gemm_only)] \
+        + result["rows"]
+    doc["targets"] = targets(doc["rows"])
+    doc["merged_runs"] = previous.get("merged_runs", []) + [
+        {k: result[k] for k in ("machine", "command", "ceilings") if k in result} | {"sections": sections}]
+    doc["tuned"] = previous.get("tuned", {}) | result.get("tuned", {})
+    return doc
+
+
 # -- timing -----------------------------------------------------------------------------------------------------------
 def _event_time_us(fn, reps: int = 10) -> float:
     fn()
@@ -701,16 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = targets(result["rows"])
         if not args.out:
             return
-        doc = result
-        if previous is not None:   # keep the earlier run's rows of the sections not run now (and its ceilings)
-            doc = dict(previous)
-            doc["rows"] = [r for r in previous["rows"] if not replaced_by_run(r, sections, ms, moe_only, gemm_only)] \
-                + result["rows"]
-            doc["targets"] = targets(doc["rows"])
-            doc["merged_runs"] = previous.get("merged_runs", []) + [
-                {k: result[k] for k in ("machine", "command", "ceilings") if k in result} | {"sections": sections}]
-            if result["tuned"]:
-                doc["tuned"] = result["tuned"]
+        doc = result if previous is None else merged_results(previous, result, sections, ms, moe_only, gemm_only)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1, default=str)
 

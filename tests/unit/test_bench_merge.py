@@ -1,5 +1,5 @@
 """`make bench-kernels --merge`: which rows of an earlier results file a partial run replaces (CPU)."""
-from dsflash.plugins.bench import replaced_by_run
+from dsflash.plugins.bench import merged_results, replaced_by_run
 
 
 def _row(op: str, shape: str, m: int) -> dict:
@@ -38,3 +38,21 @@ def test_merge_with_gemm_shapes_keeps_the_other_shapes_rows():
     assert replaced_by_run(wq_b, ["gemm"], [8])
     assert not replaced_by_run(_row("v4_fp8_gemm[tuned]", "wq_b[tp8] 4096x1024", 8), ["gemm"], [8], None, only)
     assert replaced_by_run(_row("v4_fp8_gemm[tuned]", "shexp_w13[tp1] 4096x4096", 8), ["gemm_v4"], [8], None, only)
+
+
+def test_merge_keeps_the_other_buckets_tuned_entries():
+    """A partial run's `tuned` entries replace only their own NxK@bucket keys (a merge once replaced the whole section,
+    so a decode-only run dropped the large-M choices)."""
+    shape = "wq_b[tp8] 4096x1280"
+    old = {"rows": [_row("fp8_gemm[tuned]", shape, 4096), _row("fp8_gemm[tuned]", shape, 1)],
+           "tuned": {"4096x1280@4096": {"path": "fp8", "config": {"block_q": 256}},
+                     "4096x1280@1": {"path": "fp8", "config": {"gemv": True}}},
+           "merged_runs": [{"command": "first"}]}
+    run = {"rows": [_row("fp8_gemm[tuned]", shape, 1)], "command": "second",
+           "tuned": {"4096x1280@1": {"path": "bf16cache", "config": {}}}}
+    doc = merged_results(old, run, ["gemm"], [1])
+    assert doc["tuned"] == {"4096x1280@4096": {"path": "fp8", "config": {"block_q": 256}},
+                            "4096x1280@1": {"path": "bf16cache", "config": {}}}
+    assert [r["M"] for r in doc["rows"]] == [4096, 1] and doc["rows"][1] is run["rows"][0]
+    assert [r["command"] for r in doc["merged_runs"]] == ["first", "second"]
+    assert merged_results(old, run | {"tuned": {}}, ["moe"], [1])["tuned"] == old["tuned"]
