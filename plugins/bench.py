@@ -717,8 +717,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out:
             return
         doc = result if previous is None else merged_results(previous, result, sections, ms, moe_only, gemm_only)
-        with open(args.out, "w") as f:
+        part = f"{args.out}.part"   # (a run stopped mid-write leaves the earlier file whole, which --merge reads)
+        with open(part, "w") as f:
             json.dump(doc, f, indent=1, default=str)
+        os.replace(part, args.out)
 
     ceil = measure_ceilings()
     result["ceilings"] = ceil
