@@ -99,6 +99,15 @@ def merged_results(previous: dict, result: dict, sections: list[str], ms: list[i
     return doc
 
 
+def write_results(path: str, doc: dict) -> None:
+    """Write a results file whole or not at all: through `<path>.part` and a rename, so a run stopped mid-write
+    leaves the earlier file, which the next `--merge` reads, intact."""
+    part = f"{path}.part"
+    with open(part, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(part, path)
+
+
 # -- timing -----------------------------------------------------------------------------------------------------------
 def _event_time_us(fn, reps: int = 10) -> float:
     fn()
@@ -716,11 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = targets(result["rows"])
         if not args.out:
             return
-        doc = result if previous is None else merged_results(previous, result, sections, ms, moe_only, gemm_only)
-        part = f"{args.out}.part"   # (a run stopped mid-write leaves the earlier file whole, which --merge reads)
-        with open(part, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(part, args.out)
+        write_results(args.out, result if previous is None
+                      else merged_results(previous, result, sections, ms, moe_only, gemm_only))
 
     ceil = measure_ceilings()
     result["ceilings"] = ceil

@@ -1,5 +1,10 @@
-"""`make bench-kernels --merge`: which rows of an earlier results file a partial run replaces (CPU)."""
-from dsflash.plugins.bench import merged_results, replaced_by_run
+"""`make bench-kernels --merge`: which rows and tuned entries of an earlier results file a partial run replaces, and
+that the file is replaced whole (CPU)."""
+import json
+
+import pytest
+
+from dsflash.plugins.bench import merged_results, replaced_by_run, write_results
 
 
 def _row(op: str, shape: str, m: int) -> dict:
@@ -56,3 +61,17 @@ def test_merge_keeps_the_other_buckets_tuned_entries():
     assert [r["M"] for r in doc["rows"]] == [4096, 1] and doc["rows"][1] is run["rows"][0]
     assert [r["command"] for r in doc["merged_runs"]] == ["first", "second"]
     assert merged_results(old, run | {"tuned": {}}, ["moe"], [1])["tuned"] == old["tuned"]
+
+
+def test_results_file_is_replaced_whole(tmp_path, monkeypatch):
+    """A write that fails midway leaves the earlier results file as it was."""
+    out = tmp_path / "kernels.json"
+    write_results(str(out), {"rows": [1]})
+    assert json.loads(out.read_text()) == {"rows": [1]} and not (tmp_path / "kernels.json.part").exists()
+
+    def broken(*_a, **_k):
+        raise OSError("disk full")
+    monkeypatch.setattr(json, "dump", broken)
+    with pytest.raises(OSError, match="disk full"):
+        write_results(str(out), {"rows": [2]})
+    assert json.loads(out.read_text()) == {"rows": [1]}
