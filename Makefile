@@ -13,10 +13,12 @@ TP ?=
 ARCH ?=
 ENGINE ?=
 SHARD ?=
+DATASET ?=
+BENCH ?= throughput
 ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: demo test test-gpu convert build serve generate bench-kernels clean
+.PHONY: demo test test-gpu convert build serve generate bench bench-kernels clean
 
 # The Triton Python stub shipped in nvidia-pytriton reads numpy 1.x array headers: its interpreter gets numpy 1.26
 # from $(VENV)/triton-site (dsflash triton-repo --extra-site-dir), while the venv keeps numpy 2.
@@ -45,6 +47,9 @@ serve: $(VENV)/.stamp
 
 generate: $(VENV)/.stamp
 	$(DSFLASH) generate $(if $(ENGINE),--engine $(ENGINE)) $(ARGS)
+
+bench: $(VENV)/.stamp
+	$(DSFLASH) bench $(BENCH) $(if $(ENGINE),--engine $(ENGINE)) $(if $(DATASET),--dataset $(DATASET)) $(ARGS)
 
 bench-kernels: $(VENV)/.stamp
 	$(VENV)/bin/python -m dsflash.plugins.bench $(ARGS)

@@ -61,18 +61,57 @@ class LocalComm:
         return x
 
 
+class CommCounts:
+    """What a TP comm's all-reduces moved: calls, and messages by size in bytes (the fp32 message as sent)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.by_size: dict[int, int] = {}
+
+    def add(self, nbytes: int) -> None:
+        self.calls += 1
+        self.by_size[nbytes] = self.by_size.get(nbytes, 0) + 1
+
+    @property
+    def bytes(self) -> int:
+        return sum(b * n for b, n in self.by_size.items())
+
+
 class DistComm:
     """torch.distributed TP group (gloo on CPU, NCCL on GPU); sums in fp32 as the numerics policy requires."""
 
     def __init__(self, mapping: Mapping, group=None):
         self.tp_size, self.tp_rank, self.group = mapping.tp_size, mapping.tp_rank, group
+        self.counts = CommCounts()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
         import torch.distributed as dist
         y = wide(x).contiguous()
+        self.counts.add(y.numel() * y.element_size())
         dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+
+class SimulatedComm:
+    """One rank of a TP group run alone (the TP8-rank simulation, design.md §5): every all-reduce is a local no-op on
+    the message DistComm would send (the rank's own partial sum passes on, so the values are not the model's), and is
+    counted; `wait(nbytes)`, when given, then spends the measured time of that collective (`bench collectives`)."""
+
+    def __init__(self, mapping: Mapping, wait=None):
+        self.tp_size, self.tp_rank = mapping.tp_size, mapping.tp_rank
+        self.counts = CommCounts()
+        self.wait = wait
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        y = wide(x).contiguous()
+        nbytes = y.numel() * y.element_size()
+        self.counts.add(nbytes)
+        if self.wait is not None:
+            self.wait(nbytes)
         return y.to(x.dtype)
 
 

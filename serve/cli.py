@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("dsflash.build.cli", "canonical checkpoint + topology + limits -> engine dir"),
     "generate": ("dsflash.serve.generate", "generate text offline from a checkpoint or engine"),
     "serve": ("dsflash.serve.server", "serve an engine dir over HTTP (run under mpirun -n N for N ranks)"),
+    "bench": ("dsflash.serve.bench.cli", "trtllm-bench-style benchmarks: prepare-dataset, throughput, latency"),
     "triton-repo": ("dsflash.serve.triton_repo", "write a Triton Inference Server model repository for an engine"),
     "demo": ("dsflash.serve.demo", "end-to-end demo on a synthetic tiny model (CPU)"),
 }

@@ -44,27 +44,35 @@ class LLMEngine:
     """Rank 0's engine over an engine dir. Limits default to the engine's build_config (overrides may only lower
     them); the KV-cache pool is `kv_cache_bytes`, else `kv_cache_free_gpu_memory_fraction` of free device memory.
     `speculative`: a SpecConfig (single-rank engines); `wrap_drafter(drafter, seq) -> drafter` lets tests substitute
-    a request's draft proposals."""
+    a request's draft proposals. `simulate_rank`: run that rank of a multi-rank engine alone in this process (the
+    TP-rank simulation: its all-reduces are counted local no-ops, each calling `comm_wait(nbytes)` when given), so
+    its outputs are not the model's; `self.comm` holds the counts (rank 0's on a real multi-rank engine)."""
 
     def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
                  kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, max_seq_len: int | None = None, block_size: int = 64,
-                 model=None, speculative=None, wrap_drafter=None):
+                 model=None, speculative=None, wrap_drafter=None, simulate_rank: int | None = None,
+                 comm_wait=None):
         if speculative is not None:
             from dsflash.build.engine import open_engine
             n = open_engine(engine_dir).world_size
             if n != 1:
                 raise ValueError(f"{engine_dir}: speculative decoding (--speculative-algorithm) runs on single-rank "
                                  f"engines only; this engine has {n} ranks")
-        rank, self.world, mpi, comm = connect(engine_dir)
-        if rank != 0:
+        if simulate_rank is None:
+            rank, self.world, mpi, comm = connect(engine_dir)
+        else:
+            rank, mpi, comm = simulate_rank, None, _simulated_comm(engine_dir, simulate_rank, comm_wait)
+            self.world = 1
+        self.comm = comm
+        if rank != 0 and simulate_rank is None:
             raise RuntimeError(f"LLMEngine runs on rank 0; rank {rank} must run worker_loop(engine_dir)")
         self._control = ControlPlane(mpi) if self.world > 1 else None
         try:
             if speculative is not None:
                 from dsflash.build.engine import open_engine
                 speculative.validate(open_engine(engine_dir).args)   # fail before loading the weights
-            self.runner = ModelRunner(engine_dir, 0, comm, model=model, control=self._control,
+            self.runner = ModelRunner(engine_dir, rank, comm, model=model, control=self._control,
                                       speculative=speculative, wrap_drafter=wrap_drafter)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction}
@@ -232,6 +240,18 @@ class LLMEngine:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _simulated_comm(engine_dir: str, rank: int, wait):
+    """The SimulatedComm of one rank of a multi-rank engine run alone in this process."""
+    from dsflash.build.engine import open_engine
+    from dsflash.model_def.layers import SimulatedComm
+    eng = open_engine(engine_dir)
+    if eng.world_size == 1:
+        raise ValueError(f"{engine_dir}: a rank simulation needs a multi-rank engine (this one has one rank)")
+    if not 0 <= rank < eng.world_size:
+        raise ValueError(f"simulated rank must be in [0, {eng.world_size}), got {rank}")
+    return SimulatedComm(eng.mapping(rank), wait)
 
 
 def _limit(name: str, value: int | None, built: dict) -> int:

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_speculative_args(p)
+    return p
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """The `--speculative-*` flags (dsflash serve, dsflash bench); `speculative_config` reads them."""
     s = p.add_argument_group("speculative decoding (single-rank engines; greedy output unchanged, sampling lossless)")
     s.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
                    help="dspark: V4.1 DSpark drafter; mtp: V4 MTP block (chained for N > 1)")
@@ -55,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--simulate-acceptance-length", type=float, default=None,
                    help="benchmark aid: accept drafts so that the mean acceptance length is L (outputs are NOT the "
                         "model's; responses say simulated_acceptance: true)")
-    return p
 
 
 def speculative_config(a, args):

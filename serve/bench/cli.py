@@ -1,0 +1,442 @@
+"""`dsflash bench`: trtllm-bench's verbs over a dsflash engine (conventions.md §3).
+
+  dsflash bench prepare-dataset --tokenizer DIR --output data.jsonl token-norm-dist --num-requests 64 \\
+      --input-mean 8192 --input-stdev 0 --output-mean 1024 --output-stdev 0
+  dsflash bench throughput --engine DIR --dataset data.jsonl --concurrency 1,4,8,16,32,64 --streaming \\
+      --report-json report.json --plot sweep.svg
+  dsflash bench latency --engine DIR --dataset data.jsonl
+  dsflash bench throughput --load-format dummy --model-preset v41/tiny --dataset data.jsonl
+  dsflash bench collectives --world-size 2 --output allreduce.json
+  dsflash bench throughput --engine TP8_ENGINE --simulate-rank 0 --collective-cost allreduce.json --dataset ...
+
+`throughput` runs the dataset through the in-flight batching engine at each `--concurrency` (-1: every request at
+once) after `--warmup` untimed requests, and reports trtllm-bench's metrics (request and token throughput, per-user
+and per-GPU throughput, latency percentiles; TTFT / TPOT / generation speed with `--streaming`), as its console
+sections and, with `--report-json`, its JSON keys. Several concurrencies also print one table of the seed post's
+figures (tok/s/user = 1000 / median TPOT, tok/s/GPU) and, with `--plot`, draw them. `latency` is `throughput` at
+concurrency 1 with streaming metrics. Warm-up and failed requests are never counted; failed ones are reported, and
+a run where any request failed exits 1. Multi-rank engines relaunch the command under `mpirun -n <world>`.
+
+TP-rank simulation (design.md §5): `--simulate-rank R` runs rank R of a multi-rank engine alone, its all-reduces
+local no-ops, and labels every figure simulated; `--collective-cost FILE` adds each all-reduce's time as measured
+by `dsflash bench collectives --world-size N --output FILE` on the ranks at hand. Per-GPU figures divide by the
+engine's world size. Every multi-rank report counts the all-reduces (calls, bytes) it made.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from dsflash.serve.bench.collectives import DEFAULT_SIZES, CollectiveCost, measure_all_reduce
+from dsflash.serve.bench.dataset import (DatasetError, dataset_metadata, load_dataset, token_norm_dist,
+                                         token_unif_dist, write_dataset)
+from dsflash.serve.server import add_speculative_args, speculative_config
+
+DUMMY_ROOT = Path("out/bench")
+MODEL_NAMES = {"v41": "DeepSeek-V4.1-Flash", "v4": "DeepSeek-V4-Flash"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsflash bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{prepare-dataset,throughput,latency,collectives}")
+
+    d = sub.add_parser("prepare-dataset", help="write a synthetic dataset (JSON Lines)")
+    d.add_argument("--tokenizer", required=True,
+                   help="engine, canonical or HF checkpoint dir (its vocabulary size and EOS id)")
+    out = d.add_mutually_exclusive_group(required=True)
+    out.add_argument("--output", help="dataset file to write")
+    out.add_argument("--stdout", action="store_true", help="print the dataset instead")
+    d.add_argument("--random-seed", "--random_seed", type=int, default=420)
+    dist = d.add_subparsers(dest="dist", required=True, metavar="{token-norm-dist,token-unif-dist}")
+    n = dist.add_parser("token-norm-dist", help="normally distributed lengths (stdev 0: fixed)")
+    u = dist.add_parser("token-unif-dist", help="uniformly distributed lengths, bounds included")
+    for q in (n, u):
+        q.add_argument("--num-requests", "--num_requests", type=int, required=True)
+    for flag in ("--input-mean", "--input-stdev", "--output-mean", "--output-stdev"):
+        n.add_argument(flag, flag.replace("-", "_").replace("__", "--"), type=float, required=True)
+    for flag in ("--input-min", "--input-max", "--output-min", "--output-max"):
+        u.add_argument(flag, flag.replace("-", "_").replace("__", "--"), type=int, required=True)
+
+    for name, help_text in (("throughput", "throughput at one or several concurrencies"),
+                            ("latency", "single-request latency (concurrency 1, streaming metrics)")):
+        r = sub.add_parser(name, help=help_text)
+        src = r.add_mutually_exclusive_group(required=True)
+        src.add_argument("--engine", "--engine_dir", dest="engine", help="engine directory made by `dsflash build`")
+        src.add_argument("--load-format", "--load_format", choices=("dummy",),
+                         help="dummy: random weights of --model-preset, synthesized and built here")
+        r.add_argument("--model-preset", help="family/name of the dummy model (e.g. v41/tiny)")
+        r.add_argument("--tp", type=int, default=1, help="dummy engines: tensor-parallel size")
+        r.add_argument("--ep", type=int, default=None, help="dummy engines: MoE expert-parallel size")
+        r.add_argument("--workspace", "-w", default=str(DUMMY_ROOT),
+                       help=f"where dummy engines are built and kept (default {DUMMY_ROOT})")
+        r.add_argument("--dataset", required=True, help="JSON Lines dataset (dsflash bench prepare-dataset)")
+        r.add_argument("--num-requests", "--num_requests", type=int, default=0,
+                       help="use the first N requests (0: all)")
+        r.add_argument("--warmup", type=int, default=2, help="untimed requests before each run (default 2)")
+        if name == "throughput":
+            r.add_argument("--concurrency", default="-1",
+                           help="requests in flight: one value or a comma list (a sweep); -1 = all at once")
+            r.add_argument("--streaming", action="store_true", help="also report TTFT, TPOT and generation speed")
+        r.add_argument("--eos-id", "--eos_id", type=int, default=-1,
+                       help="-1 (default): ignore EOS, every request generates exactly its output_tokens")
+        r.add_argument("--max-batch-size", "--max_batch_size", type=int, default=None)
+        r.add_argument("--max-num-tokens", "--max_num_tokens", type=int, default=None)
+        r.add_argument("--max-seq-len", "--max_seq_len", type=int, default=None,
+                       help="limits: lower the engine's (dummy engines: build with these; defaults 64, 8192, 8192)")
+        kv = r.add_mutually_exclusive_group()
+        kv.add_argument("--kv-cache-free-gpu-mem-fraction", "--kv_cache_free_gpu_mem_fraction", type=float,
+                        default=0.9, help="KV-cache pool as a fraction of free device memory (default 0.9)")
+        kv.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache pool size in bytes")
+        r.add_argument("--report-json", "--report_json", help="write the report (trtllm-bench keys) here")
+        r.add_argument("--request-json", "--request_json", help="write one record per request here")
+        r.add_argument("--plot", help="throughput sweep: write tok/s/GPU against tok/s/user here (SVG)")
+        r.add_argument("--no-progress", action="store_true", help="no progress bars")
+        sim = r.add_argument_group("TP-rank simulation (design.md §5): one rank of a multi-rank engine alone")
+        sim.add_argument("--simulate-rank", type=int, default=None, metavar="R",
+                         help="run rank R's shard and work in this process, its all-reduces local no-ops (the "
+                              "outputs are not the model's; the report is labelled simulated)")
+        sim.add_argument("--collective-cost", metavar="FILE",
+                         help="add each all-reduce's measured time (a `dsflash bench collectives` file)")
+        add_speculative_args(r)
+
+    c = sub.add_parser("collectives", help="measure TP all-reduce time by message size (for --collective-cost)")
+    c.add_argument("--world-size", type=int, default=2, help="ranks to measure on (default 2; mpirun -n)")
+    c.add_argument("--output", required=True, help="JSON file to write")
+    c.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                   help="message sizes in bytes, comma-separated (default 1 KiB .. 64 MiB, x4)")
+    c.add_argument("--iters", type=int, default=20, help="all-reduces per timed round (fewer for large messages)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    try:
+        if a.command == "prepare-dataset":
+            return prepare_dataset(a)
+        if a.command == "collectives":
+            return collectives(a, argv)
+        return benchmark(a, argv)
+    except (DatasetError, ValueError, OSError) as e:
+        print(f"dsflash bench {a.command}: {e}", file=sys.stderr)
+        return 2
+
+
+# -- prepare-dataset --------------------------------------------------------------------------------------------------
+def model_args_of(path: str):
+    """Model args of an engine dir (engine.json) or a checkpoint dir (config.json)."""
+    from dsflash.build.engine import open_engine
+    from dsflash.model_def import load_args
+    if (Path(path) / "engine.json").is_file():
+        return open_engine(path, check_arch=False).args
+    return load_args(path)
+
+
+def prepare_dataset(a: argparse.Namespace) -> int:
+    args = model_args_of(a.tokenizer)
+    eos = args.eos_token_id
+    if a.dist == "token-norm-dist":
+        reqs = token_norm_dist(a.num_requests, a.input_mean, a.input_stdev, a.output_mean, a.output_stdev,
+                               args.vocab_size, eos, a.random_seed)
+    else:
+        reqs = token_unif_dist(a.num_requests, a.input_min, a.input_max, a.output_min, a.output_max,
+                               args.vocab_size, eos, a.random_seed)
+    write_dataset(reqs, None if a.stdout else a.output)
+    if not a.stdout:
+        meta = dataset_metadata(reqs, a.output)
+        print(f"wrote {meta['num_requests']} requests to {a.output} (avg ISL {meta['avg_isl']:.1f}, "
+              f"avg OSL {meta['avg_osl']:.1f})")
+    return 0
+
+
+# -- throughput / latency ---------------------------------------------------------------------------------------------
+def concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be integers separated by commas, got {text!r}") from None
+    if not values or any(v == 0 or v < -1 for v in values):
+        raise ValueError(f"--concurrency values must be >= 1 or -1 (all at once), got {text!r}")
+    return values
+
+
+def dummy_engine(a: argparse.Namespace) -> str:
+    """Build (once; kept under --workspace) an engine of --model-preset with random weights for this machine."""
+    from dsflash.build.engine import current_arch, write_engine
+    from dsflash.build.plan import ARCH_LAYOUT, BuildConfig
+    from dsflash.convert.synth import synthesize
+    from dsflash.convert.writer import convert
+    from dsflash.model_def import get_preset
+    from dsflash.model_def.mapping import Mapping
+    if not a.model_preset or "/" not in a.model_preset:
+        raise ValueError("--load-format dummy needs --model-preset family/name (e.g. v41/tiny)")
+    family, name = a.model_preset.split("/", 1)
+    if name == "full":
+        raise ValueError("--model-preset */full: full-size dummy weights are generated on the GPU by the batched GPU "
+                         "runner, which this build does not have yet; use a tiny or mid preset")
+    args = get_preset(family, name)
+    arch = current_arch()
+    limits = BuildConfig(max_batch_size=a.max_batch_size or 64, max_num_tokens=a.max_num_tokens or 8192,
+                         max_seq_len=a.max_seq_len or 8192)
+    root = Path(a.workspace) / f"{family}-{name}"
+    tag = f"{arch}-tp{a.tp}" + (f"-ep{a.ep}" if a.ep else "") + \
+          f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}"
+    engine = root / f"engine-{tag}"
+    if (engine / "engine.json").is_file():
+        return str(engine)
+    hf = root / "hf"
+    if not (hf / "config.json").is_file():
+        synthesize(args, hf, seed=0)
+    src = hf
+    if ARCH_LAYOUT[arch] != "reference":
+        src = root / f"ckpt-{ARCH_LAYOUT[arch]}"
+        if not (src / "manifest.json").is_file():
+            convert(hf, src, ARCH_LAYOUT[arch], progress=False, log=lambda *_: None)
+    mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.ep)
+    write_engine(src, engine, mapping, arch, limits, progress=False)
+    return str(engine)
+
+
+def benchmark(a: argparse.Namespace, argv: list[str]) -> int:
+    from dsflash.build.engine import EngineError, open_engine
+    from dsflash.serve.mpi_launch import relaunch, under_mpi
+    if a.load_format == "dummy":
+        a.engine = dummy_engine(a)
+    elif a.model_preset:
+        raise ValueError("--model-preset goes with --load-format dummy")
+    try:
+        eng = open_engine(a.engine)
+    except EngineError as e:
+        raise ValueError(str(e)) from None
+    levels = [1] if a.command == "latency" else concurrencies(a.concurrency)
+    streaming = a.command == "latency" or a.streaming
+    reqs = _requests(a, eng)            # a bad dataset fails here, before any weight is loaded
+    spec = speculative_config(a, eng.args)
+    if a.collective_cost and a.simulate_rank is None:
+        raise ValueError("--collective-cost goes with --simulate-rank")
+    if a.simulate_rank is not None:
+        if eng.world_size == 1:
+            raise ValueError(f"--simulate-rank: {a.engine} has one rank; there is nothing to simulate")
+        if not 0 <= a.simulate_rank < eng.world_size:
+            raise ValueError(f"--simulate-rank must be in [0, {eng.world_size}), got {a.simulate_rank}")
+        cost = CollectiveCost.load(a.collective_cost) if a.collective_cost else None
+        return _run_rank0(a, eng, reqs, levels, streaming, spec, cost)
+    if spec is not None and eng.world_size != 1:
+        raise ValueError(f"speculative decoding runs on single-rank engines only; {a.engine} has "
+                         f"{eng.world_size} ranks")
+    if eng.world_size > 1 and not under_mpi():
+        # the ranks re-run this command (a dummy engine is built by now, so they find it in the workspace)
+        rc = relaunch(eng.world_size, "dsflash.serve.bench.cli", argv)
+        if rc != 0:
+            print(f"dsflash bench: the MPI job exited with status {rc} (see the rank logs above)", file=sys.stderr)
+        return rc
+    if under_mpi():
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() > 0:
+            from dsflash.serve.llm_engine import worker_loop
+            return worker_loop(a.engine) or 0
+    return _run_rank0(a, eng, reqs, levels, streaming, spec)
+
+
+def _requests(a: argparse.Namespace, eng) -> list:
+    """The dataset's first --num-requests requests, checked against the engine's vocabulary and max_seq_len."""
+    from dsflash.serve.tokenization import DeepseekTokenizer, TokenizerError
+    if a.num_requests < 0:
+        raise ValueError(f"--num-requests must be >= 0, got {a.num_requests}")
+    args = eng.args
+    try:
+        encode = DeepseekTokenizer(a.engine, bos_token_id=args.bos_token_id).encode
+    except TokenizerError:
+        encode = None
+    reqs = load_dataset(a.dataset, args.vocab_size, encode)
+    reqs = reqs[:a.num_requests] if a.num_requests else reqs
+    built = int(eng.meta["build_config"]["max_seq_len"])
+    max_seq_len = min(a.max_seq_len, built) if a.max_seq_len else built
+    for r in reqs:
+        if len(r.input_ids) + r.output_tokens > max_seq_len:
+            raise DatasetError(f"{a.dataset}: task_id {r.task_id!r} needs {len(r.input_ids)} + {r.output_tokens} "
+                               f"tokens; the engine's max_seq_len is {max_seq_len}")
+    return reqs
+
+
+def _run_rank0(a: argparse.Namespace, eng, reqs: list, levels: list[int], streaming: bool, spec,
+               cost: CollectiveCost | None = None) -> int:
+    from dsflash.serve.bench.report import format_report, format_sweep, sweep_svg
+    from dsflash.serve.bench.runner import run_requests, warm_up
+    from dsflash.serve.bench.stats import headline
+    from dsflash.serve.llm_engine import LLMEngine
+    engine = None
+    try:
+        device = "cpu" if eng.meta["arch"] == "cpu" else "cuda"
+        wait = (lambda nbytes: cost.wait(nbytes, device)) if cost is not None else None
+        engine = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, max_batch_size=a.max_batch_size,
+                           max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len, max_queue=1 << 20,
+                           kv_cache_free_gpu_memory_fraction=a.kv_cache_free_gpu_mem_fraction, speculative=spec,
+                           simulate_rank=a.simulate_rank, comm_wait=wait)
+        reports, rows, records_out, any_failed = [], [], [], False
+        for c in levels:
+            warm_up(engine, reqs, a.warmup, c, a.eos_id)
+            before = _comm_snapshot(engine, cost)
+            done, failed = run_requests(engine, reqs, c, a.eos_id, progress=not a.no_progress)
+            any_failed |= bool(failed)
+            for f in failed:
+                print(f"dsflash bench: request {f.task_id!r} failed (not counted): {f.error}", file=sys.stderr)
+            rep = _report(a, eng, engine, reqs, done, failed, c, streaming, spec)
+            if eng.world_size > 1:
+                rep["collectives"] = _collectives(engine, cost, before)
+            if a.simulate_rank is not None:
+                rep["simulation"] = _simulation(a, eng, cost)
+            print(format_report(rep))
+            reports.append(rep)
+            rows.append(headline(rep))
+            records_out += [{"concurrency": c, **r.to_json()} for r in done + failed]
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    if len(levels) > 1:
+        print("\nsweep (tok/s/user = 1000 / median TPOT; tok/s/GPU = output throughput incl. prefill / GPUs):")
+        print(format_sweep(rows))
+    if a.report_json:
+        doc = reports[0] if len(reports) == 1 else {"sweep": rows, "runs": reports}
+        _write_text(a.report_json, json.dumps(doc, indent=2) + "\n")
+    if a.request_json:
+        _write_text(a.request_json, json.dumps(records_out) + "\n")
+    if a.plot:
+        title = f"{Path(a.engine).name}: {reports[0]['request_info']['avg_input_length']:.0f} in / " \
+                f"{reports[0]['dataset']['avg_osl']:.0f} out"
+        if a.simulate_rank is not None:
+            title += f" (SIMULATED: rank {a.simulate_rank} of {eng.world_size})"
+        _write_text(a.plot, sweep_svg(rows, title))
+    return 1 if any_failed else 0
+
+
+def _comm_snapshot(engine, cost) -> tuple[int, int, float]:
+    counts = getattr(engine.comm, "counts", None)
+    return ((counts.calls, counts.bytes) if counts else (0, 0)) + ((cost.waited_us,) if cost else (0.0,))
+
+
+def _collectives(engine, cost: CollectiveCost | None, before: tuple[int, int, float]) -> dict:
+    """The run's TP all-reduces as rank 0 (or the simulated rank) made them, and the time added for them."""
+    calls, nbytes, waited = (x - y for x, y in zip(_comm_snapshot(engine, cost), before))
+    return {"all_reduce_calls": calls, "all_reduce_bytes": nbytes,
+            "added_collective_ms": waited / 1e3 if cost else None}
+
+
+def _simulation(a, eng, cost: CollectiveCost | None) -> dict:
+    """The report's `simulation` section: which rank stood for the engine and how its collectives were treated."""
+    return {"simulated": True, "simulated_rank": a.simulate_rank, "world_size": eng.world_size,
+            "collectives": "all-reduces as local no-ops" + (" + their measured time" if cost else
+                                                            " (their time not included)"),
+            "collective_cost": None if cost is None else {"source": cost.source, **cost.meta}}
+
+
+def collectives(a: argparse.Namespace, argv: list[str]) -> int:
+    """Measure fp32 all-reduce time by size on --world-size ranks (relaunching under mpirun) into --output."""
+    from dsflash.serve.mpi_launch import init_distributed, relaunch, under_mpi
+    try:
+        sizes = [int(v) for v in a.sizes.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be byte counts separated by commas, got {a.sizes!r}") from None
+    if not sizes or min(sizes) < 4:
+        raise ValueError(f"--sizes must be byte counts >= 4, got {a.sizes!r}")
+    if a.world_size < 2 or a.iters < 1:
+        raise ValueError("--world-size must be >= 2 and --iters >= 1")
+    if not under_mpi():
+        rc = relaunch(a.world_size, "dsflash.serve.bench.cli", argv)
+        if rc != 0:
+            print(f"dsflash bench collectives: the MPI job exited with status {rc}", file=sys.stderr)
+        return rc
+    import torch
+    import torch.distributed as dist
+    rank, world, _ = init_distributed()
+    if world != a.world_size:
+        raise ValueError(f"--world-size {a.world_size}, but {world} MPI processes are running")
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    points = measure_all_reduce(sizes, a.iters, device)
+    if rank == 0:
+        doc = {"backend": dist.get_backend(), "world_size": world, "device": device.split(":")[0],
+               "machine": _machine(), "dtype": "float32", "all_reduce_us": [[b, round(us, 3)] for b, us in points]}
+        _write_text(a.output, json.dumps(doc, indent=2) + "\n")
+        print(f"all-reduce ({doc['backend']}, {world} ranks, fp32):")
+        for b, us in points:
+            print(f"  {b:>12} B  {us:10.1f} us  {b / us / 1e3:8.2f} GB/s")
+    dist.destroy_process_group()
+    return 0
+
+
+def _report(a, eng, engine, reqs, done, failed, concurrency: int, streaming: bool, spec) -> dict:
+    from dsflash.serve.bench.stats import decoding_stats, summarize
+    meta, mapping = eng.meta, eng.meta["mapping"]
+    built = meta["build_config"]
+    s = summarize(done, eng.world_size, streaming)
+    rep = {
+        "engine": {"model": MODEL_NAMES.get(eng.args.family, eng.args.family),
+                   "model_path": meta.get("source"), "engine_dir": str(Path(a.engine).resolve()),
+                   "version": _version(), "backend": "dsflash", "arch": meta["arch"],
+                   "dtype": built.get("dtype") or _default_dtype(meta["arch"]),
+                   "kv_cache_dtype": built.get("kv_cache_dtype", "auto"),
+                   "quantization": _quantization(meta), "max_sequence_length": engine.max_seq_len},
+        "machine": _machine(),
+        "world_info": {"tp_size": mapping["tp_size"], "pp_size": mapping.get("pp_size", 1),
+                       "ep_size": mapping.get("moe_ep_size") or 1, "world_size": eng.world_size,
+                       "max_batch_size": engine.max_batch_size, "max_num_tokens": engine.max_num_tokens,
+                       "scheduling_policy": "fcfs (chunked prefill, preemption by recompute)",
+                       "kv_cache_percentage": None if a.kv_cache_bytes else a.kv_cache_free_gpu_mem_fraction,
+                       "kv_cache_bytes": engine.cache.total_blocks * engine.cache.layout.bytes_per_block,
+                       "issue_rate": s["issue_rate"], "concurrency": concurrency, "warmup_requests": a.warmup},
+        "request_info": {**s["request_info"], "num_failed_requests": len(failed)},
+        "performance": s["performance"],
+        **({"streaming_metrics": s["streaming_metrics"]} if streaming else {}),
+        **({"decoding_stats": decoding_stats(done, spec.algorithm, spec.num_draft_tokens)} if spec else {}),
+        "dataset": dataset_metadata(reqs, a.dataset),
+    }
+    return rep
+
+
+def _quantization(meta: dict) -> str:
+    q = meta["model"].get("quantization_config") or {}
+    block = q.get("weight_block_size")
+    dense = f"FP8 {block[0]}x{block[1]} blocks" if block else "none"
+    return f"dense {dense}, experts {meta.get('expert_dtype') or 'bf16'} ({meta.get('layout')} layout)"
+
+
+def _default_dtype(arch: str) -> str:
+    from dsflash.build.engine import default_dtype
+    return default_dtype(arch)
+
+
+def _machine() -> dict:
+    import torch
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return {"name": p.name, "memory.total": round(p.total_memory / 2 ** 30, 2)}
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"name": f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
+            "memory.total": round(mem / 2 ** 30, 2)}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("dsflash")
+    except Exception:  # noqa: BLE001 - running from a copied tree
+        return "unknown"
+
+
+def _write_text(path: str, text: str) -> None:
+    """Whole or not at all: a `.part` file renamed over the target."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    part = p.with_name(p.name + ".part")
+    part.write_text(text)
+    os.replace(part, p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
