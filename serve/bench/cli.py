@@ -11,11 +11,12 @@
 
 `throughput` runs the dataset through the in-flight batching engine at each `--concurrency` (-1: every request at
 once) after `--warmup` untimed requests, and reports trtllm-bench's metrics (request and token throughput, per-user
-and per-GPU throughput, latency percentiles; TTFT / TPOT / generation speed with `--streaming`), as its console
-sections and, with `--report-json`, its JSON keys. Several concurrencies also print one table of the seed post's
-figures (tok/s/user = 1000 / median TPOT, tok/s/GPU) and, with `--plot`, draw them. `latency` is `throughput` at
-concurrency 1 with streaming metrics. Warm-up and failed requests are never counted; failed ones are reported, and
-a run where any request failed exits 1. Multi-rank engines relaunch the command under `mpirun -n <world>`.
+and per-GPU throughput, latency percentiles; TTFT / TPOT / generation speed with `--streaming`, a sweep or
+`--plot`), as its console sections and, with `--report-json`, its JSON keys. Several concurrencies also print one
+table of the seed post's figures (tok/s/user = 1000 / median TPOT, tok/s/GPU) and, with `--plot`, draw them.
+`latency` is `throughput` at concurrency 1 with streaming metrics. Warm-up and failed requests are never counted;
+failed ones are reported, and a run where any request failed exits 1. Multi-rank engines relaunch the command under
+`mpirun -n <world>`.
 
 TP-rank simulation (design.md §5): `--simulate-rank R` runs rank R of a multi-rank engine alone, its all-reduces
 local no-ops, and labels every figure simulated; `--collective-cost FILE` adds each all-reduce's time as measured
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "throughput":
             r.add_argument("--concurrency", default="-1",
                            help="requests in flight: one value or a comma list (a sweep); -1 = all at once")
-            r.add_argument("--streaming", action="store_true", help="also report TTFT, TPOT and generation speed")
+            r.add_argument("--streaming", action="store_true",
+                           help="also report TTFT, TPOT and generation speed (implied by a sweep and by --plot)")
         r.add_argument("--eos-id", "--eos_id", type=int, default=-1,
                        help="-1 (default): ignore EOS, every request generates exactly its output_tokens")
         r.add_argument("--max-batch-size", "--max_batch_size", type=int, default=None)
@@ -215,7 +217,8 @@ def benchmark(a: argparse.Namespace, argv: list[str]) -> int:
     except EngineError as e:
         raise ValueError(str(e)) from None
     levels = [1] if a.command == "latency" else concurrencies(a.concurrency)
-    streaming = a.command == "latency" or a.streaming
+    # TTFT / TPOT come with every run here (the engine is in-process); a sweep and a plot need them for tok/s/user
+    streaming = a.command == "latency" or a.streaming or len(levels) > 1 or bool(a.plot)
     reqs = _requests(a, eng)            # a bad dataset fails here, before any weight is loaded
     spec = speculative_config(a, eng.args)
     if a.collective_cost and a.simulate_rank is None:

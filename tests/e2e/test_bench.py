@@ -39,7 +39,7 @@ def dataset(engine, path, n=4, isl=(6, 20), osl=(2, 5)):
 def test_throughput_sweep_reports_what_it_ran(tiny, tmp_path, capsys):
     data = dataset(tiny, tmp_path / "d.jsonl")
     rep, reqs_json, plot = tmp_path / "r.json", tmp_path / "q.json", tmp_path / "s.svg"
-    rc = main(["throughput", "--engine", str(tiny), "--dataset", str(data), "--concurrency", "1,3", "--streaming",
+    rc = main(["throughput", "--engine", str(tiny), "--dataset", str(data), "--concurrency", "1,3",
                "--warmup", "1", "--kv-cache-bytes", KV, "--report-json", str(rep), "--request-json", str(reqs_json),
                "--plot", str(plot), "--no-progress"])
     out = capsys.readouterr().out
@@ -55,6 +55,7 @@ def test_throughput_sweep_reports_what_it_ran(tiny, tmp_path, capsys):
         assert info["num_requests"] == 4 and info["num_failed_requests"] == 0      # warm-up not counted
         assert info["avg_output_length"] == want_out / 4
         assert perf["system_output_throughput_tok_s"] == pytest.approx(want_out / perf["total_latency_ms"] * 1e3)
+        # a sweep reports TTFT / TPOT without --streaming: its table needs them
         assert run["streaming_metrics"]["ttft_percentiles"]["maximum"] <= perf["total_latency_ms"]
         assert set(run) >= {"engine", "machine", "world_info", "request_info", "performance", "dataset"}
     assert doc["runs"][0]["request_info"]["avg_num_concurrent_requests"] <= 1.0 + 1e-6
