@@ -6,6 +6,7 @@
       --report-json report.json --plot sweep.svg
   dsflash bench latency --engine DIR --dataset data.jsonl
   dsflash bench throughput --load-format dummy --model-preset v41/tiny --dataset data.jsonl
+  dsflash bench serving --base-url http://127.0.0.1:8000 --dataset data.jsonl --max-concurrency 1,4,16
   dsflash bench collectives --world-size 2 --output allreduce.json
   dsflash bench throughput --engine TP8_ENGINE --simulate-rank 0 --collective-cost allreduce.json --dataset ...
 
@@ -16,7 +17,8 @@ and per-GPU throughput, latency percentiles; TTFT / TPOT / generation speed with
 table of the seed post's figures (tok/s/user = 1000 / median TPOT, tok/s/GPU) and, with `--plot`, draw them.
 `latency` is `throughput` at concurrency 1 with streaming metrics. Warm-up and failed requests are never counted;
 failed ones are reported, and a run where any request failed exits 1. Multi-rank engines relaunch the command under
-`mpirun -n <world>`.
+`mpirun -n <world>`. `serving` does the same against a running OpenAI-compatible server (streamed completions),
+reporting trtllm-serve's `benchmark_serving` keys.
 
 TP-rank simulation (design.md §5): `--simulate-rank R` runs rank R of a multi-rank engine alone, its all-reduces
 local no-ops, and labels every figure simulated; `--collective-cost FILE` adds each all-reduce's time as measured
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from dsflash.serve.bench.collectives import DEFAULT_SIZES, CollectiveCost, measure_all_reduce
 from dsflash.serve.bench.dataset import (DatasetError, dataset_metadata, load_dataset, token_norm_dist,
-                                         token_unif_dist, write_dataset)
+                                         token_unif_dist, warmup_requests, write_dataset)
 from dsflash.serve.server import add_speculative_args, speculative_config
 
 DUMMY_ROOT = Path("out/bench")
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsflash bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{prepare-dataset,throughput,latency,collectives}")
+                           metavar="{prepare-dataset,throughput,latency,serving,collectives}")
 
     d = sub.add_parser("prepare-dataset", help="write a synthetic dataset (JSON Lines)")
     d.add_argument("--tokenizer", required=True,
@@ -107,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help="add each all-reduce's measured time (a `dsflash bench collectives` file)")
         add_speculative_args(r)
 
+    v = sub.add_parser("serving", help="benchmark a running OpenAI-compatible server (as benchmark_serving does)")
+    v.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
+    v.add_argument("--model", default=None, help="model id to request (default: the server's first)")
+    v.add_argument("--dataset", required=True, help="JSON Lines dataset (dsflash bench prepare-dataset)")
+    v.add_argument("--tokenizer", default=None, help="engine or checkpoint dir to tokenize `prompt` lines with")
+    v.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=0,
+                   help="use the first N requests (0: all)")
+    v.add_argument("--max-concurrency", default="-1",
+                   help="requests open at once: one value or a comma list (a sweep); -1 = all at once")
+    v.add_argument("--warmup", type=int, default=2, help="untimed requests before each run (default 2)")
+    v.add_argument("--num-gpus", type=int, default=1, help="GPUs behind the server, for tok/s/GPU (default 1)")
+    v.add_argument("--api-key", default=None, help="Bearer key (default: env DSFLASH_API_KEY)")
+    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    v.add_argument("--save-result", "--report-json", dest="report_json",
+                   help="write benchmark_serving's result keys (and the trtllm-bench sections) here")
+    v.add_argument("--plot", help="a sweep: write tok/s/GPU against tok/s/user here (SVG)")
+    v.add_argument("--no-progress", action="store_true", help="no progress bars")
+
     c = sub.add_parser("collectives", help="measure TP all-reduce time by message size (for --collective-cost)")
     c.add_argument("--world-size", type=int, default=2, help="ranks to measure on (default 2; mpirun -n)")
     c.add_argument("--output", required=True, help="JSON file to write")
@@ -124,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return prepare_dataset(a)
         if a.command == "collectives":
             return collectives(a, argv)
+        if a.command == "serving":
+            return serving(a)
         return benchmark(a, argv)
     except (DatasetError, ValueError, OSError) as e:
         print(f"dsflash bench {a.command}: {e}", file=sys.stderr)
@@ -371,6 +393,50 @@ def collectives(a: argparse.Namespace, argv: list[str]) -> int:
             print(f"  {b:>12} B  {us:10.1f} us  {b / us / 1e3:8.2f} GB/s")
     dist.destroy_process_group()
     return 0
+
+
+def serving(a: argparse.Namespace) -> int:
+    """Stream the dataset's requests to a running server at each --max-concurrency; benchmark_serving's report."""
+    from dsflash.serve.bench.report import format_serving, format_sweep, sweep_svg
+    from dsflash.serve.bench.serving import run_serving, server_model
+    from dsflash.serve.bench.stats import headline, serving_result, summarize
+    levels = concurrencies(a.max_concurrency)
+    if a.num_requests < 0 or a.num_gpus < 1:
+        raise ValueError("--num-prompts must be >= 0 and --num-gpus >= 1")
+    encode = None
+    if a.tokenizer:
+        from dsflash.serve.tokenization import DeepseekTokenizer
+        encode = DeepseekTokenizer(a.tokenizer, bos_token_id=model_args_of(a.tokenizer).bos_token_id).encode
+    reqs = load_dataset(a.dataset, 1 << 31, encode)      # the server checks the ids against its vocabulary
+    reqs = reqs[:a.num_requests] if a.num_requests else reqs
+    base = a.base_url.rstrip("/")
+    key = a.api_key or os.environ.get("DSFLASH_API_KEY") or None
+    model = a.model or server_model(base, key)
+    results, rows, any_failed = [], [], False
+    for c in levels:
+        if a.warmup > 0:
+            run_serving(base, model, warmup_requests(reqs, a.warmup), c, key, a.request_timeout, tag="warmup",
+                        progress=False)
+        done, failed, gaps = run_serving(base, model, reqs, c, key, a.request_timeout, progress=not a.no_progress)
+        for f in failed:
+            print(f"dsflash bench serving: request {f.task_id!r} failed (not counted): {f.error}", file=sys.stderr)
+        any_failed |= bool(failed)
+        res = {"base_url": base, "model": model, **serving_result(done, failed, gaps, c)}
+        trt = summarize(done, a.num_gpus, streaming=True)
+        res["trtllm_bench"] = {"request_info": trt["request_info"], "performance": trt["performance"],
+                               "streaming_metrics": trt["streaming_metrics"]}
+        print(format_serving(res))
+        results.append(res)
+        rows.append(headline({"world_info": {"concurrency": c}, **trt}))
+    if len(levels) > 1:
+        print("\nsweep (tok/s/user = 1000 / median TPOT; tok/s/GPU = output throughput incl. prefill / --num-gpus):")
+        print(format_sweep(rows))
+    if a.report_json:
+        doc = results[0] if len(results) == 1 else {"sweep": rows, "runs": results}
+        _write_text(a.report_json, json.dumps(doc, indent=2) + "\n")
+    if a.plot:
+        _write_text(a.plot, sweep_svg(rows, f"{model} at {base}"))
+    return 1 if any_failed else 0
 
 
 def _report(a, eng, engine, reqs, done, failed, concurrency: int, streaming: bool, spec) -> dict:

@@ -64,6 +64,12 @@ def _with_tokens(isl: list[int], osl: list[int], vocab_size: int, eos_id: int | 
     return out
 
 
+def warmup_requests(requests: list[BenchRequest], n: int) -> list[BenchRequest]:
+    """n untimed requests shaped like the dataset's first ones (cycled), ids w0, w1, ..."""
+    return [BenchRequest(f"w{i}", requests[i % len(requests)].input_ids, requests[i % len(requests)].output_tokens)
+            for i in range(n)]
+
+
 def write_dataset(requests: list[BenchRequest], path: str | Path | None) -> None:
     """JSON Lines to `path` (through a `.part` file renamed at the end), or to stdout when path is None."""
     lines = "".join(json.dumps({"task_id": r.task_id, "input_ids": r.input_ids, "output_tokens": r.output_tokens})

@@ -131,3 +131,22 @@ def sweep_svg(rows: list[dict], title: str) -> str:
                   f'<text x="{sx(x) + 6:.1f}" y="{sy(y) - 6:.1f}">c={c}</text>')
     el.append("</svg>\n")
     return "\n".join(el)
+
+
+def format_serving(res: dict) -> str:
+    """benchmark_serving's console block."""
+    rows = [("Successful requests", res["completed"]), ("Failed requests", res["failed"]),
+            ("Maximum request concurrency", res["max_concurrency"]), ("Benchmark duration (s)", res["duration"]),
+            ("Total input tokens", res["total_input_tokens"]), ("Total generated tokens", res["total_output_tokens"]),
+            ("Request throughput (req/s)", res["request_throughput"]),
+            ("Output token throughput (tok/s)", res["output_throughput"]),
+            ("Total Token throughput (tok/s)", res["total_token_throughput"])]
+    lines = [f"{' Serving Benchmark Result ':=^50}", *(f"{k + ':':<40}{_fmt(v)}" for k, v in rows)]
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^50}")
+        label = key.upper()
+        lines += [f"{f'{s} {label} (ms):':<40}{res[f'{p}_{key}_ms']:.2f}"
+                  for s, p in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))]
+    lines.append("=" * 50)
+    return "\n".join(lines)

@@ -11,7 +11,7 @@ from collections import deque
 
 from tqdm import tqdm
 
-from dsflash.serve.bench.dataset import BenchRequest
+from dsflash.serve.bench.dataset import BenchRequest, warmup_requests
 from dsflash.serve.bench.stats import RequestRecord
 from dsflash.serve.runtime.sampling import SamplingParams
 from dsflash.serve.runtime.scheduler import QueueFullError
@@ -88,8 +88,6 @@ def warm_up(engine, requests: list[BenchRequest], n: int, concurrency: int, eos_
     """Run `n` requests shaped like the dataset's first ones (cycled) through the engine, untimed."""
     if n <= 0:
         return
-    reqs = [BenchRequest(f"w{i}", requests[i % len(requests)].input_ids, requests[i % len(requests)].output_tokens)
-            for i in range(n)]
-    _, failed = run_requests(engine, reqs, concurrency, eos_id, tag="warmup", progress=False)
+    _, failed = run_requests(engine, warmup_requests(requests, n), concurrency, eos_id, tag="warmup", progress=False)
     if failed:
         raise RuntimeError(f"warm-up request failed: {failed[0].error}")

@@ -127,3 +127,28 @@ def headline(report: dict) -> dict:
             "tok_s_per_gpu": report["performance"]["output_throughput_per_gpu_tok_s"],
             "ttft_ms_avg": sm["avg_ttft_ms"] if sm else None, "tpot_ms_p50": p50,
             "request_throughput_req_s": report["performance"]["request_throughput_req_s"]}
+
+
+def serving_result(done: list[RequestRecord], failed: list[RequestRecord], itl_ns: list[int], concurrency: int
+                   ) -> dict:
+    """benchmark_serving's result keys (conventions.md §3.6): counts, duration, throughputs, and mean / median / p99
+    of TTFT, TPOT, ITL (every gap between token-carrying chunks) and E2EL in ms; medians and p99 interpolate as
+    numpy's percentile does. TPOT per request is (E2E − TTFT) / (output tokens − 1)."""
+    import numpy as np
+    if not done:
+        raise ValueError("no request completed: nothing to report")
+    t0 = min(r.start_ns for r in done + failed)
+    duration_s = (max(r.end_ns for r in done + failed) - t0) / 1e9
+    n_in = sum(r.num_input_tokens for r in done)
+    n_out = sum(r.num_output_tokens for r in done)
+    out = {"backend": "openai", "max_concurrency": concurrency, "completed": len(done), "failed": len(failed),
+           "duration": duration_s, "total_input_tokens": n_in, "total_output_tokens": n_out,
+           "request_throughput": len(done) / duration_s, "output_throughput": n_out / duration_s,
+           "total_token_throughput": (n_in + n_out) / duration_s}
+    series = {"ttft": [r.ttft_ns for r in done], "tpot": [r.tpot_ns for r in done if r.num_output_tokens > 1],
+              "itl": list(itl_ns), "e2el": [r.latency_ns for r in done]}
+    for name, values in series.items():
+        v = np.asarray(values or [0], dtype=np.float64) / 1e6
+        out.update({f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+                    f"p99_{name}_ms": float(np.percentile(v, 99))})
+    return out

@@ -1,8 +1,11 @@
 """`dsflash bench` end to end on tiny CPU engines: prepare-dataset -> throughput sweep / latency, the report's
 figures against the requests it ran, outputs equal to the engine's greedy generation, failed requests, a dummy
 engine, and a TP2 engine under mpirun."""
+import importlib.util
 import json
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +16,16 @@ from dsflash.convert.synth import synthesize
 from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
 from dsflash.serve.bench.cli import main
-from dsflash.serve.bench.dataset import load_dataset
+from dsflash.serve.bench.dataset import BenchRequest, load_dataset
+from dsflash.serve.bench.serving import stream_one
 from dsflash.serve.llm_engine import LLMEngine
 
 KV = str(1 << 26)
+
+_spec = importlib.util.spec_from_file_location("_serving", Path(__file__).with_name("_serving.py"))
+sv = sys.modules.setdefault("_serving", importlib.util.module_from_spec(_spec))
+if not hasattr(sv, "Served"):
+    _spec.loader.exec_module(sv)
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +182,42 @@ def test_speculative_run_reports_decoding_stats(tiny, tmp_path, capsys):
     assert d["mode"] == "dspark" and d["simulated_acceptance"] is True
     assert 1.5 < d["acceptance_length_percentiles"]["average"] <= d["num_draft_tokens"] + 1
     assert doc["request_info"]["avg_output_length"] == 12        # cut exactly at output_tokens
+
+
+@pytest.mark.slow
+def test_serving_benchmark_against_a_running_server(tmp_path_factory, tmp_path, capsys):
+    """`bench serving` streams the dataset to `dsflash serve` (API key on) at two concurrencies: the tokens it
+    counts are the engine's greedy tokens, a request the server refuses is reported as failed (exit 1), and a wrong
+    key fails every request (exit 2, nothing to report)."""
+    _, engine = sv.tiny_engine(sv.engines_dir(tmp_path_factory), "v41")
+    data = tmp_path / "d.jsonl"
+    good = [[0, 671, 6102, 294, 8760, 344], [0, 17, 4242, 99]]
+    data.write_text("".join(json.dumps({"task_id": i, "input_ids": ids, "output_tokens": 4}) + "\n"
+                            for i, ids in enumerate(good))
+                    + json.dumps({"task_id": "oov", "input_ids": [1 << 30], "output_tokens": 4}) + "\n")
+    res, plot = tmp_path / "res.json", tmp_path / "s.svg"
+    with sv.Served(engine, "--api-key", "k3y") as server:
+        rc = main(["serving", "--base-url", server.url, "--api-key", "k3y", "--dataset", str(data),
+                   "--max-concurrency", "1,2", "--warmup", "1", "--save-result", str(res), "--plot", str(plot),
+                   "--no-progress"])
+        captured = capsys.readouterr()
+        assert rc == 1 and "request 'oov' failed (not counted): HTTP 400" in captured.err
+        assert captured.out.count(" Serving Benchmark Result ") == 2
+        assert main(["serving", "--base-url", server.url, "--api-key", "wrong", "--model", "x", "--dataset",
+                     str(data), "--warmup", "0", "--no-progress"]) == 2
+        assert "no request completed" in capsys.readouterr().err
+        # the token ids a request streams back are the engine's greedy tokens
+        got = [stream_one(server.url, engine.name, BenchRequest(i, ids, 4), "k3y", 120)[0].output_ids
+               for i, ids in enumerate(good)]
+    doc = json.loads(res.read_text())
+    assert [r["max_concurrency"] for r in doc["runs"]] == [1, 2] and len(doc["sweep"]) == 2
+    model = load_engine_model(engine)[0]
+    want = [model.generate_greedy(torch.tensor([ids]), 4)[0, len(ids):].tolist() for ids in good]
+    for run in doc["runs"]:
+        assert (run["completed"], run["failed"], run["total_output_tokens"]) == (2, 1, 8)
+        assert run["total_input_tokens"] == sum(map(len, good)) and run["model"] == engine.name
+        assert 0 < run["median_ttft_ms"] <= run["p99_e2el_ms"]
+        assert run["mean_itl_ms"] == pytest.approx(run["mean_tpot_ms"], rel=0.5)   # one token per chunk
+        assert run["trtllm_bench"]["request_info"]["num_requests"] == 2
+    assert len(ET.parse(plot).getroot().findall("{http://www.w3.org/2000/svg}circle")) == 2
+    assert got == want
