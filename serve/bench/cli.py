@@ -180,13 +180,13 @@ def prepare_dataset(a: argparse.Namespace) -> int:
 
 
 # -- throughput / latency ---------------------------------------------------------------------------------------------
-def concurrencies(text: str) -> list[int]:
+def concurrencies(text: str, flag: str = "--concurrency") -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--concurrency must be integers separated by commas, got {text!r}") from None
+        raise ValueError(f"{flag} must be integers separated by commas, got {text!r}") from None
     if not values or any(v == 0 or v < -1 for v in values):
-        raise ValueError(f"--concurrency values must be >= 1 or -1 (all at once), got {text!r}")
+        raise ValueError(f"{flag} values must be >= 1 or -1 (all at once), got {text!r}")
     return values
 
 
@@ -400,7 +400,7 @@ def serving(a: argparse.Namespace) -> int:
     from dsflash.serve.bench.report import format_serving, format_sweep, sweep_svg
     from dsflash.serve.bench.serving import run_serving, server_model
     from dsflash.serve.bench.stats import headline, serving_result, summarize
-    levels = concurrencies(a.max_concurrency)
+    levels = concurrencies(a.max_concurrency, "--max-concurrency")
     if a.num_requests < 0 or a.num_gpus < 1:
         raise ValueError("--num-prompts must be >= 0 and --num-gpus >= 1")
     encode = None

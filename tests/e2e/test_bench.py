@@ -206,6 +206,8 @@ def test_serving_benchmark_against_a_running_server(tmp_path_factory, tmp_path, 
         assert main(["serving", "--base-url", server.url, "--api-key", "wrong", "--model", "x", "--dataset",
                      str(data), "--warmup", "0", "--no-progress"]) == 2
         assert "no request completed" in capsys.readouterr().err
+        assert main(["serving", "--base-url", server.url, "--dataset", str(data), "--max-concurrency", "0"]) == 2
+        assert "--max-concurrency values must be >= 1 or -1" in capsys.readouterr().err
         # the token ids a request streams back are the engine's greedy tokens
         got = [stream_one(server.url, engine.name, BenchRequest(i, ids, 4), "k3y", 120)[0].output_ids
                for i, ids in enumerate(good)]
