@@ -27,14 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="DeepSeek-V4.1-Flash / V4-Flash toolchain: synth -> convert -> build -> serve.",
         epilog="Run `dsflash <command> --help` for the options of one command.",
     )
-    parser.add_argument("--version", action="version", version=f"dsflash {_version()}")
+    parser.add_argument("--version", action="version", version=f"dsflash {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def _version() -> str:
+def package_version() -> str:
     try:
         from importlib.metadata import version
 

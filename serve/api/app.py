@@ -44,8 +44,8 @@ def build_app(fe: Frontend, api_key: str | None = None) -> Starlette:
         return Response(status_code=200 if fe.engine.ready else 503)
 
     async def version(request: Request) -> Response:
-        from dsflash.serve.cli import _version
-        return JSONResponse({"version": _version()})
+        from dsflash.serve.cli import package_version
+        return JSONResponse({"version": package_version()})
 
     async def metrics(request: Request) -> Response:
         try:

@@ -34,6 +34,7 @@ import platform
 import sys
 from pathlib import Path
 
+from dsflash.convert.atomic import write_text_atomic
 from dsflash.serve.bench.collectives import DEFAULT_SIZES, CollectiveCost, measure_all_reduce
 from dsflash.serve.bench.dataset import (DatasetError, dataset_metadata, load_dataset, token_norm_dist,
                                          token_unif_dist, warmup_requests, write_dataset)
@@ -246,10 +247,6 @@ def benchmark(a: argparse.Namespace, argv: list[str]) -> int:
     if a.collective_cost and a.simulate_rank is None:
         raise ValueError("--collective-cost goes with --simulate-rank")
     if a.simulate_rank is not None:
-        if eng.world_size == 1:
-            raise ValueError(f"--simulate-rank: {a.engine} has one rank; there is nothing to simulate")
-        if not 0 <= a.simulate_rank < eng.world_size:
-            raise ValueError(f"--simulate-rank must be in [0, {eng.world_size}), got {a.simulate_rank}")
         cost = CollectiveCost.load(a.collective_cost) if a.collective_cost else None
         return _run_rank0(a, eng, reqs, levels, streaming, spec, cost)
     if spec is not None and eng.world_size != 1:
@@ -292,7 +289,7 @@ def _requests(a: argparse.Namespace, eng) -> list:
 
 def _run_rank0(a: argparse.Namespace, eng, reqs: list, levels: list[int], streaming: bool, spec,
                cost: CollectiveCost | None = None) -> int:
-    from dsflash.serve.bench.report import format_report, format_sweep, sweep_svg
+    from dsflash.serve.bench.report import format_report
     from dsflash.serve.bench.runner import run_requests, warm_up
     from dsflash.serve.bench.stats import headline
     from dsflash.serve.llm_engine import LLMEngine
@@ -324,21 +321,27 @@ def _run_rank0(a: argparse.Namespace, eng, reqs: list, levels: list[int], stream
     finally:
         if engine is not None:
             engine.shutdown()
-    if len(levels) > 1:
-        print("\nsweep (tok/s/user = 1000 / median TPOT; tok/s/GPU = output throughput incl. prefill / GPUs):")
+    title = f"{Path(a.engine).name}: {reports[0]['request_info']['avg_input_length']:.0f} in / " \
+            f"{reports[0]['dataset']['avg_osl']:.0f} out"
+    if a.simulate_rank is not None:
+        title += f" (SIMULATED: rank {a.simulate_rank} of {eng.world_size})"
+    _write_sweep(a, rows, reports, title, "GPUs")
+    if a.request_json:
+        write_text_atomic(a.request_json, json.dumps(records_out) + "\n")
+    return 1 if any_failed else 0
+
+
+def _write_sweep(a: argparse.Namespace, rows: list[dict], runs: list[dict], title: str, gpus: str) -> None:
+    """A sweep's table on stdout; the report (one run's, or the sweep's) to --report-json, the plot to --plot."""
+    from dsflash.serve.bench.report import format_sweep, sweep_svg
+    if len(runs) > 1:
+        print(f"\nsweep (tok/s/user = 1000 / median TPOT; tok/s/GPU = output throughput incl. prefill / {gpus}):")
         print(format_sweep(rows))
     if a.report_json:
-        doc = reports[0] if len(reports) == 1 else {"sweep": rows, "runs": reports}
-        _write_text(a.report_json, json.dumps(doc, indent=2) + "\n")
-    if a.request_json:
-        _write_text(a.request_json, json.dumps(records_out) + "\n")
+        doc = runs[0] if len(runs) == 1 else {"sweep": rows, "runs": runs}
+        write_text_atomic(a.report_json, json.dumps(doc, indent=2) + "\n")
     if a.plot:
-        title = f"{Path(a.engine).name}: {reports[0]['request_info']['avg_input_length']:.0f} in / " \
-                f"{reports[0]['dataset']['avg_osl']:.0f} out"
-        if a.simulate_rank is not None:
-            title += f" (SIMULATED: rank {a.simulate_rank} of {eng.world_size})"
-        _write_text(a.plot, sweep_svg(rows, title))
-    return 1 if any_failed else 0
+        write_text_atomic(a.plot, sweep_svg(rows, title))
 
 
 def _comm_snapshot(engine, cost) -> tuple[int, int, float]:
@@ -387,7 +390,7 @@ def collectives(a: argparse.Namespace, argv: list[str]) -> int:
     if rank == 0:
         doc = {"backend": dist.get_backend(), "world_size": world, "device": device.split(":")[0],
                "machine": _machine(), "dtype": "float32", "all_reduce_us": [[b, round(us, 3)] for b, us in points]}
-        _write_text(a.output, json.dumps(doc, indent=2) + "\n")
+        write_text_atomic(a.output, json.dumps(doc, indent=2) + "\n")
         print(f"all-reduce ({doc['backend']}, {world} ranks, fp32):")
         for b, us in points:
             print(f"  {b:>12} B  {us:10.1f} us  {b / us / 1e3:8.2f} GB/s")
@@ -397,7 +400,7 @@ def collectives(a: argparse.Namespace, argv: list[str]) -> int:
 
 def serving(a: argparse.Namespace) -> int:
     """Stream the dataset's requests to a running server at each --max-concurrency; benchmark_serving's report."""
-    from dsflash.serve.bench.report import format_serving, format_sweep, sweep_svg
+    from dsflash.serve.bench.report import format_serving
     from dsflash.serve.bench.serving import run_serving, server_model
     from dsflash.serve.bench.stats import headline, serving_result, summarize
     levels = concurrencies(a.max_concurrency, "--max-concurrency")
@@ -428,27 +431,22 @@ def serving(a: argparse.Namespace) -> int:
         print(format_serving(res))
         results.append(res)
         rows.append(headline({"world_info": {"concurrency": c}, **trt}))
-    if len(levels) > 1:
-        print("\nsweep (tok/s/user = 1000 / median TPOT; tok/s/GPU = output throughput incl. prefill / --num-gpus):")
-        print(format_sweep(rows))
-    if a.report_json:
-        doc = results[0] if len(results) == 1 else {"sweep": rows, "runs": results}
-        _write_text(a.report_json, json.dumps(doc, indent=2) + "\n")
-    if a.plot:
-        _write_text(a.plot, sweep_svg(rows, f"{model} at {base}"))
+    _write_sweep(a, rows, results, f"{model} at {base}", "--num-gpus")
     return 1 if any_failed else 0
 
 
 def _report(a, eng, engine, reqs, done, failed, concurrency: int, streaming: bool, spec) -> dict:
+    from dsflash.build.engine import default_dtype
     from dsflash.serve.bench.stats import decoding_stats, summarize
+    from dsflash.serve.cli import package_version
     meta, mapping = eng.meta, eng.meta["mapping"]
     built = meta["build_config"]
     s = summarize(done, eng.world_size, streaming)
     rep = {
         "engine": {"model": MODEL_NAMES.get(eng.args.family, eng.args.family),
                    "model_path": meta.get("source"), "engine_dir": str(Path(a.engine).resolve()),
-                   "version": _version(), "backend": "dsflash", "arch": meta["arch"],
-                   "dtype": built.get("dtype") or _default_dtype(meta["arch"]),
+                   "version": package_version(), "backend": "dsflash", "arch": meta["arch"],
+                   "dtype": built.get("dtype") or default_dtype(meta["arch"]),
                    "kv_cache_dtype": built.get("kv_cache_dtype", "auto"),
                    "quantization": _quantization(meta), "max_sequence_length": engine.max_seq_len},
         "machine": _machine(),
@@ -475,11 +473,6 @@ def _quantization(meta: dict) -> str:
     return f"dense {dense}, experts {meta.get('expert_dtype') or 'bf16'} ({meta.get('layout')} layout)"
 
 
-def _default_dtype(arch: str) -> str:
-    from dsflash.build.engine import default_dtype
-    return default_dtype(arch)
-
-
 def _machine() -> dict:
     import torch
     if torch.cuda.is_available():
@@ -490,21 +483,6 @@ def _machine() -> dict:
             "memory.total": round(mem / 2 ** 30, 2)}
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("dsflash")
-    except Exception:  # noqa: BLE001 - running from a copied tree
-        return "unknown"
-
-
-def _write_text(path: str, text: str) -> None:
-    """Whole or not at all: a `.part` file renamed over the target."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    part = p.with_name(p.name + ".part")
-    part.write_text(text)
-    os.replace(part, p)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from dsflash.convert.atomic import write_text_atomic
 
 
 class DatasetError(ValueError):
@@ -77,10 +78,7 @@ def write_dataset(requests: list[BenchRequest], path: str | Path | None) -> None
     if path is None:
         print(lines, end="")
         return
-    path = Path(path)
-    part = path.with_name(path.name + ".part")
-    part.write_text(lines)
-    os.replace(part, path)
+    write_text_atomic(path, lines)
 
 
 def load_dataset(path: str | Path, vocab_size: int, encode: Callable[[str], list[int]] | None = None
