@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--model-preset", help="family/name of the dummy model (e.g. v41/tiny)")
         r.add_argument("--tp", type=int, default=1, help="dummy engines: tensor-parallel size")
         r.add_argument("--ep", type=int, default=None, help="dummy engines: MoE expert-parallel size")
+        r.add_argument("--tune-budget-s", type=float, default=None,
+                       help="dummy engines: wall-clock cap of the build's kernel tuning (default: build's, 600 s)")
         r.add_argument("--workspace", "-w", default=str(DUMMY_ROOT),
                        help=f"where dummy engines are built and kept (default {DUMMY_ROOT})")
         r.add_argument("--dataset", required=True, help="JSON Lines dataset (dsflash bench prepare-dataset)")
@@ -209,9 +211,14 @@ def dummy_engine(a: argparse.Namespace) -> str:
     arch = current_arch()
     limits = BuildConfig(max_batch_size=a.max_batch_size or 64, max_num_tokens=a.max_num_tokens or 8192,
                          max_seq_len=a.max_seq_len or 8192)
+    if a.tune_budget_s is not None:
+        if a.tune_budget_s < 0:
+            raise ValueError(f"--tune-budget-s must be >= 0, got {a.tune_budget_s}")
+        limits.tune_budget_s = a.tune_budget_s
     root = Path(a.workspace) / f"{family}-{name}"
     tag = f"{arch}-tp{a.tp}" + (f"-ep{a.ep}" if a.ep else "") + \
-          f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}"
+          f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}" + \
+          (f"-tune{a.tune_budget_s:g}" if a.tune_budget_s is not None else "")
     engine = root / f"engine-{tag}"
     if (engine / "engine.json").is_file():
         return str(engine)
@@ -233,8 +240,8 @@ def benchmark(a: argparse.Namespace, argv: list[str]) -> int:
     from dsflash.serve.mpi_launch import relaunch, under_mpi
     if a.load_format == "dummy":
         a.engine = dummy_engine(a)
-    elif a.model_preset:
-        raise ValueError("--model-preset goes with --load-format dummy")
+    elif a.model_preset or a.tune_budget_s is not None:
+        raise ValueError("--model-preset and --tune-budget-s go with --load-format dummy")
     try:
         eng = open_engine(a.engine)
     except EngineError as e:

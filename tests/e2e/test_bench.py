@@ -111,6 +111,11 @@ def test_bad_inputs_exit_2_with_one_clear_message(tiny, tmp_path, capsys):
     assert "engine.json missing" in capsys.readouterr().err
     assert main(["throughput", "--load-format", "dummy", "--model-preset", "v41/full", "--dataset", str(data)]) == 2
     assert "full-size dummy weights" in capsys.readouterr().err
+    assert main(["throughput", "--load-format", "dummy", "--model-preset", "v41/tiny", "--tune-budget-s", "-1",
+                 "--dataset", str(data)]) == 2
+    assert "--tune-budget-s must be >= 0, got -1.0" in capsys.readouterr().err
+    assert main(["throughput", "--engine", str(tiny), "--tune-budget-s", "5", "--dataset", str(data)]) == 2
+    assert "--tune-budget-s go with --load-format dummy" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"task_id": 1}\n')
     assert main(["throughput", "--engine", str(tiny), "--dataset", str(tmp_path / "bad.jsonl"),
                  "--kv-cache-bytes", KV]) == 2
@@ -129,11 +134,14 @@ def test_dummy_engine_tp2_under_mpirun_and_its_rank_simulation(tmp_path, capsys)
                             for i in range(3)))
     rep = tmp_path / "r.json"
     argv = ["throughput", "--load-format", "dummy", "--model-preset", "v41/tiny-wide", "--tp", "2",
-            "--workspace", str(ws), "--max-seq-len", "64", "--max-num-tokens", "64", "--dataset", str(data),
+            "--workspace", str(ws), "--max-seq-len", "64", "--max-num-tokens", "64", "--tune-budget-s", "0",
+            "--dataset", str(data),
             "--concurrency", "2", "--warmup", "0", "--kv-cache-bytes", KV, "--report-json", str(rep), "--no-progress"]
     assert main(argv) == 0
     engines = list((ws / "v41-tiny-wide").glob("engine-cpu-tp2-*"))
     assert len(engines) == 1 and (engines[0] / "rank1.safetensors").is_file()
+    assert engines[0].name.endswith("-tune0")
+    assert json.loads((engines[0] / "engine.json").read_text())["build_config"]["tune_budget_s"] == 0
     doc = json.loads(rep.read_text())
     assert doc["world_info"]["world_size"] == 2 and doc["world_info"]["tp_size"] == 2
     assert doc["request_info"]["num_requests"] == 3 and doc["request_info"]["avg_output_length"] == 3
