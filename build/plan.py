@@ -38,6 +38,8 @@ class BuildConfig:
         for k in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        if self.tune_budget_s < 0:
+            raise ValueError(f"--tune-budget-s must be >= 0, got {self.tune_budget_s}")
         if self.dtype not in ("", "float32", "float64", "bfloat16"):
             raise ValueError(f"--dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         from dsflash.model_def.dispatch import PLUGIN_IMPLS

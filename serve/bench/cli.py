@@ -209,16 +209,13 @@ def dummy_engine(a: argparse.Namespace) -> str:
                          "runner, which this build does not have yet; use a tiny or mid preset")
     args = get_preset(family, name)
     arch = current_arch()
+    tune = {} if a.tune_budget_s is None else {"tune_budget_s": a.tune_budget_s}
     limits = BuildConfig(max_batch_size=a.max_batch_size or 64, max_num_tokens=a.max_num_tokens or 8192,
-                         max_seq_len=a.max_seq_len or 8192)
-    if a.tune_budget_s is not None:
-        if a.tune_budget_s < 0:
-            raise ValueError(f"--tune-budget-s must be >= 0, got {a.tune_budget_s}")
-        limits.tune_budget_s = a.tune_budget_s
+                         max_seq_len=a.max_seq_len or 8192, **tune)
     root = Path(a.workspace) / f"{family}-{name}"
     tag = f"{arch}-tp{a.tp}" + (f"-ep{a.ep}" if a.ep else "") + \
           f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}" + \
-          (f"-tune{a.tune_budget_s:g}" if a.tune_budget_s is not None else "")
+          (f"-tune{limits.tune_budget_s:g}" if tune else "")
     engine = root / f"engine-{tag}"
     if (engine / "engine.json").is_file():
         return str(engine)
@@ -488,8 +485,6 @@ def _machine() -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return {"name": f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
             "memory.total": round(mem / 2 ** 30, 2)}
-
-
 
 
 if __name__ == "__main__":
