@@ -7,7 +7,9 @@ engine twice (plugins from engine.json, and `plugins="reference"`), then
     prompt's length and once with one token, the decode shape that takes the GEMV kernels;
   - end to end: logits rel. error and teacher-forced argmax agreement on a prompt, and the first position where
     free-running greedy generation diverges (reported: deploy numerics on random weights amplify rounding
-    differences, see `site_parity`);
+    differences, see `site_parity`); with `--train-steps N` the checkpoint is first fitted to a token permutation
+    on the GPU (convert/synth_train.py), and greedy tokens over 4 task prompts must be equal, plugins against
+    references, and equal to the task's answer;
   - fallback: with tuned.json removed, each untuned GEMM shape is logged exactly once over two forwards;
   - eager decode step time, plugins vs references (no CUDA graphs yet).
 Writes `--out` JSON and prints a table. Run from the repo root on the GPU machine:
@@ -30,6 +32,7 @@ from dsflash.build.bind import site_parity
 from dsflash.build.engine import load_engine_model, write_engine
 from dsflash.build.plan import BuildConfig
 from dsflash.convert.synth import synthesize
+from dsflash.convert.synth_train import PermutationTask
 from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
@@ -66,10 +69,12 @@ def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 
 def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_budget_s: float,
-               max_num_tokens: int = 64) -> dict:
-    res: dict = {"preset": f"v41/{name}"}
+               max_num_tokens: int = 64, train_steps: int = 0) -> dict:
+    res: dict = {"preset": f"v41/{name}", "train_steps": train_steps}
     t0 = time.time()
-    hf = synthesize(get_preset("v41", name), work / "hf", seed=7)
+    hf = synthesize(get_preset("v41", name), work / "hf", seed=7, train_steps=train_steps, train_device="cuda")
+    if train_steps:
+        res["training"] = PermutationTask.load(hf)[1]
     convert(hf, work / "hop", "hopper")
     res["synth_convert_s"] = round(time.time() - t0, 1)
     t0 = time.time()
@@ -104,11 +109,18 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     lp, lr = plug.logits(ids)[0].float(), ref.logits(ids)[0].float()
     res["logits_rel"] = float((lp - lr).norm() / lr.norm())
     res["teacher_forced_argmax_agree"] = float((lp.argmax(-1) == lr.argmax(-1)).float().mean())
-    gp = plug.generate_greedy(ids[:, :16], new_tokens)
-    gr = ref.generate_greedy(ids[:, :16], new_tokens)
-    res["greedy_first_divergence"] = _first_divergence(gp[0, 16:], gr[0, 16:])
-    res["greedy_equal_tokens"] = int((gp[0, 16:] == gr[0, 16:]).sum())
-    res["greedy_tokens"] = new_tokens
+    if train_steps:   # the task's prompts: 4 at once, so decode runs the kernels at M = 4
+        task = PermutationTask.load(hf)[0]
+        prompts = task.prompts(4, 16, seed=5).cuda()
+        gp, gr = (m.generate_greedy(prompts, new_tokens)[:, 16:] for m in (plug, ref))
+        expected = task.continuation(prompts[:, -1], new_tokens)
+        res["greedy_task_correct_plugins"] = int((gp == expected).sum())
+        res["greedy_task_correct_reference"] = int((gr == expected).sum())
+    else:
+        gp, gr = (m.generate_greedy(ids[:, :16], new_tokens)[:, 16:] for m in (plug, ref))
+    res["greedy_first_divergence"] = _first_divergence(gp.flatten(), gr.flatten())
+    res["greedy_equal_tokens"] = int((gp == gr).sum())
+    res["greedy_tokens"] = gp.numel()
 
     res["decode_ms_plugins"] = round(_decode_ms(plug, ids[:, :32]), 2)
     res["decode_ms_reference"] = round(_decode_ms(ref, ids[:, :32]), 2)
@@ -141,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-budget-s", type=float, default=60)
     p.add_argument("--max-num-tokens", type=int, default=64,
                    help="the engine's token budget: > 64 adds the large-M GEMM buckets (a prompt that long runs them)")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="fit each checkpoint to a token permutation first (on the GPU): greedy tokens must then match")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "threshold": THRESHOLD, "runs": []}
@@ -148,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tempfile.mkdtemp(prefix=f"dsf-{name}-"))
         try:
             results["runs"].append(run_preset(name, work, a.prompt_len, a.new_tokens, a.tune_budget_s,
-                                              a.max_num_tokens))
+                                              a.max_num_tokens, a.train_steps))
         except Exception as e:   # one preset failing must not hide the other's figures
             import traceback
             results["runs"].append({"preset": f"v41/{name}", "error": f"{type(e).__name__}: {e}",
@@ -166,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['preset']:10} {kind:6} {tag:>3} {k['sites']:>5} {k['max_rel']:>9.2e}  "
                       f"{k['max_rel'] <= THRESHOLD}")
         print(f"{r['preset']:10} e2e logits rel {r['logits_rel']:.3f}, teacher-forced argmax agree "
-              f"{r['teacher_forced_argmax_agree']:.2f}, greedy equal {r['greedy_equal_tokens']}/{r['greedy_tokens']}; "
+              f"{r['teacher_forced_argmax_agree']:.2f}, greedy equal {r['greedy_equal_tokens']}/{r['greedy_tokens']}"
+              + (f" (task answer: plugins {r['greedy_task_correct_plugins']}, references "
+                 f"{r['greedy_task_correct_reference']})" if r["train_steps"] else "") + "; "
               f"fallback logged {r['fallback_logged']} (+{r['fallback_logged_again']} on rerun); decode "
               f"{r['decode_ms_plugins']} ms plugins vs {r['decode_ms_reference']} ms reference; "
               f"tuned GEMM entries {r['tuned_gemm_entries']}")

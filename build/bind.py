@@ -228,8 +228,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
 
     End-to-end token equality is not a usable check on random-weight models: deploy numerics (pow2-scaled FP8/FP4
     quantizers, top-k routing and selection) amplify a 1e-5 relative perturbation into a 5-40 % logit change, so
-    two correct implementations that round differently disagree on most greedy tokens. Site replay isolates each
-    kernel, with the engine's real weights, shapes and activations."""
+    two correct implementations that round differently disagree on most greedy tokens (on trained synthetic
+    checkpoints, `dsflash synth --train-steps`, they agree). Site replay isolates each kernel, with the engine's
+    real weights, shapes and activations."""
     from dsflash.model_def.v41 import Block, MoE
     captured, hooks = [], []
     counts: dict[str, int] = {}

@@ -4,7 +4,8 @@ Every tensor of the family's name table is drawn at a realistic scale (linears N
 parameters in plausible ranges, nothing zero), quantized into its on-disk role exactly as the released checkpoints
 store it (FP8 e4m3 + e8m0 block scales, MXFP4 experts, FP8 1×32 Engram tables), and written as sharded safetensors
 with `model.safetensors.index.json`, `config.json` and the real DeepSeek tokenizer files. Values depend only on
-(seed, tensor name), so a tensor is the same whatever the shard size or order.
+(seed, tensor name), so a tensor is the same whatever the shard size or order. With `train_steps`, the values are
+first fitted to a token map (convert/synth_train.py) so that greedy tokens are decisive.
 """
 from __future__ import annotations
 
@@ -100,15 +101,21 @@ def encode(entry: TensorEntry, value: torch.Tensor, args: ModelArgs) -> dict[str
 
 
 def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int = SHARD_BYTES,
-               progress: bool = False) -> Path:
-    """Write a random checkpoint for `args` to `out` (atomically: temp dir, then rename). Returns `out`."""
+               progress: bool = False, train_steps: int = 0, train_device: str = "cpu") -> Path:
+    """Write a random checkpoint for `args` to `out` (atomically: temp dir, then rename). Returns `out`.
+    train_steps > 0: fit it to the permutation task first (synth_train.py) and write the task as synth_task.json."""
     out = Path(out)
+    values, record = None, None
+    if train_steps:
+        from dsflash.convert.synth_train import train_values
+        values, record = train_values(args, seed, train_steps, device=train_device, progress=progress)
     with atomic_dir(out, "tmp-synth") as tmp:
         table = tensor_table(args)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for entry in tqdm(table, desc="synth", unit="tensor", disable=not progress):
-            tensors = encode(entry, synth_value(entry, args, seed), args)
+            value = synth_value(entry, args, seed) if values is None else values[entry.name]
+            tensors = encode(entry, value, args)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             if size and size + nbytes > shard_bytes:
                 shards.append({})
@@ -128,6 +135,9 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
         (tmp / "config.json").write_text(json.dumps(args.to_hf_dict(), indent=2))
         gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if record is not None:
+            from dsflash.convert.synth_train import TASK_FILE
+            (tmp / TASK_FILE).write_text(json.dumps(record, indent=2))
         src = tokenizer_source_dir()
         for f in TOKENIZER_FILES:
             shutil.copyfile(src / f, tmp / f)
@@ -149,14 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help=f"write checkpoints larger than {MAX_SYNTH_BYTES >> 30} GiB")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="fit the random V4.1 weights to a token permutation for this many AdamW steps first, so "
+                        "greedy tokens are decisive (0: random weights)")
+    p.add_argument("--train-device", default="cpu", help="device the fitting runs on (e.g. cuda)")
     a = p.parse_args(argv)
     try:
+        if a.train_steps < 0:
+            raise ValueError(f"--train-steps must be >= 0, got {a.train_steps}")
+        if a.train_steps and a.family != "v41":
+            raise ValueError(f"--train-steps: trained synthetic checkpoints are V4.1 only (got --family {a.family})")
         args = get_preset(a.family, a.preset)
         size = checkpoint_bytes(args)
         if size > MAX_SYNTH_BYTES and not a.force:
             raise ValueError(f"preset {a.family}/{a.preset} is a {size / 2**30:.1f} GiB checkpoint; full-size shapes "
                              f"run with dummy weights on the GPU instead (add --force to write it anyway)")
-        synthesize(args, a.out, a.seed, progress=True)
+        synthesize(args, a.out, a.seed, progress=True, train_steps=a.train_steps, train_device=a.train_device)
     except (ValueError, FileExistsError) as e:
         print(f"dsflash synth: {e}", file=sys.stderr)
         return 2

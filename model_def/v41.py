@@ -371,6 +371,11 @@ class DeepseekV41Model(nn.Module):
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, state: V41State, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run S new tokens [B,S] (prefill chunk or decode) at state.pos; updates state; -> logits [B,S,V] fp32."""
+        return self.forward_step(input_ids, state, image_mask)
+
+    def forward_step(self, input_ids: torch.Tensor, state: V41State,
+                     image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`step` with autograd left on (convert/synth_train.py fits synthetic checkpoints through it)."""
         a = self.args
         b, s = input_ids.shape
         dev = input_ids.device

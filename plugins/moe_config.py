@@ -113,6 +113,20 @@ def local_pair_slots(pairs: int, ep: int) -> int:
 
 UNROLL_MAX_STEPS = 8   # (20 unrolled steps, one TP8 rank's M = 8 in one slice, ran 1.5x slower: code size)
 
+# f16 in-block sums (`acc16`) only where a token's h has at least this many values (top-k × padded intermediate):
+# their ~1e-3 error flips some of h's FP8 codes, and with few values one flip of a dominant one moves the output by
+# 1-4 % (a tiny engine's 2 × 64: 2-5 of 160 one-token MoE sites over 1e-2, fp32 sums <= 2.1e-3; V4.1's 1,728-13,824
+# and the mid engine's 3,072: <= 6.1e-3; benchmarks/README.md, session 31)
+ACC16_MIN_H = 1024
+
+
+def sums_for_width(cfg: MoeConfig, topk: int, inter: int) -> MoeConfig:
+    """cfg, or for narrow experts (top-k × inter < ACC16_MIN_H) its fp32-accumulating GEMV (the flags that need
+    f16 sums, `rows2`, `unroll13` and `tc13`, off with it)."""
+    if cfg.gemv and cfg.acc16 and topk * inter < ACC16_MIN_H:
+        return dataclasses.replace(cfg, acc16=False, rows2=False, unroll13=False, tc13=False)
+    return cfg
+
 
 def unrolled_steps(cfg: MoeConfig, dim: int, inter_pad: int) -> int:
     """The K steps per slice the decode w13 GEMV unrolls (`MoeConfig.unroll13`) for an expert of hidden `dim` and
@@ -162,9 +176,10 @@ def for_qblock(cfg: MoeConfig, qblock: int) -> MoeConfig:
 
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
                        qblock: int = 32) -> MoeConfig:
-    """`_default_moe_config` with w13 tiles of whole h quantization blocks (`for_qblock`). A decode w13 widened that
-    way has a quarter of the tiles, so it splits K further (up to 16 slices) for the same number of programs."""
-    cfg = for_qblock(_default_moe_config(t, topk, n_experts, inter, dim, ep), qblock)
+    """`_default_moe_config` with w13 tiles of whole h quantization blocks (`for_qblock`) and, for narrow experts,
+    fp32 sums (`sums_for_width`). A decode w13 widened to 128-blocks has a quarter of the tiles, so it splits K
+    further (up to 16 slices) for the same number of programs."""
+    cfg = sums_for_width(for_qblock(_default_moe_config(t, topk, n_experts, inter, dim, ep), qblock), topk, inter)
     if qblock == 32 or not cfg.gemv:
         return cfg
     pairs = -(-t * topk // ep)
@@ -204,9 +219,11 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
     row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. With V4's qblock 128
-    every w13 tile is widened to whole 128-blocks of h (`for_qblock`)."""
+    every w13 tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums
+    (`sums_for_width`)."""
     out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock)]
-    out += [for_qblock(c, qblock) for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
+    out += [sums_for_width(for_qblock(c, qblock), topk, inter)
+            for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
     if qblock != 32 and out[0].gemv:   # the widened w13 tiles: other K depths and split counts
         d = out[0]
         for bk in (128, 256, 512):

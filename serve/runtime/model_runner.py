@@ -2,8 +2,8 @@
 
 The reference runner calls `model.step(ids [1,S], state)` once per scheduled segment, each request with its own
 model state (`model.new_state(1)`): a request's tokens are computed exactly as they would be alone (batch
-invariance by construction). The GPU runner batches the same segments through the paged attention / MoE kernels
-into the pages the block manager hands out; the plan it receives is the same.
+invariance by construction). GPU engines run through this same runner (their plugin kernels bound in the model); a
+batched GPU runner with CUDA graphs over the block manager's pages does not exist yet (README, "Not yet").
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same `step` calls in the same order (the TP all-reduces inside the model pair up).

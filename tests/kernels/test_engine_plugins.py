@@ -1,6 +1,7 @@
 """A tiny V4.1 engine built for sm90 on the GPU runs the plugin kernels: every bound site matches its fp32 reference
 on the activations of a real forward, and GEMM shapes missing from tuned.json fall back visibly, once, to configs
-that match the references too.
+that match the references too. On a trained synthetic checkpoint (decisive logits) the plugin engine and the reference
+engine give the same greedy tokens.
 (The mid-size engine and the end-to-end figures: benchmarks/engine_plugins.py.)"""
 from __future__ import annotations
 
@@ -108,6 +109,26 @@ def _kernel_streams(fn, trace_path) -> int:
     return len(set().union(*streams.values()))
 
 
+def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
+    """A tiny V4.1 checkpoint fitted to a token permutation (convert/synth_train.py, trained here on the GPU), built
+    for sm90: the engine with every plugin bound and the same engine on the references greedy-generate the same
+    tokens, the task's answer, over 4 prompts × 32 tokens (prefill, then the decode kernels at M = 4)."""
+    from dsflash.convert.synth_train import PermutationTask
+    hf = synthesize(get_preset("v41", "tiny"), tmp_path / "hf", seed=7, train_steps=80, train_device="cuda")
+    convert(hf, tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
+    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                       BuildConfig(max_num_tokens=64, tune_budget_s=20), progress=False)
+    task, _ = PermutationTask.load(hf)
+    prompts = task.prompts(4, 16, seed=5)
+    expected = task.continuation(prompts[:, -1], 32)
+    outs = {}
+    for plugins in (None, "reference"):
+        model, _ = load_engine_model(eng, plugins=plugins)
+        outs[plugins] = model.generate_greedy(prompts.cuda(), 32)[:, 16:].cpu()
+    assert torch.equal(outs[None], outs["reference"]), int((outs[None] == outs["reference"]).sum())
+    assert torch.equal(outs["reference"], expected), int((outs["reference"] == expected).sum())
+
+
 def test_missing_tuned_entries_are_logged_once(engine, caplog, v41_site_kinds):
     (engine / "tuned.json").unlink()
     model, _ = load_engine_model(engine)
@@ -118,14 +139,12 @@ def test_missing_tuned_entries_are_logged_once(engine, caplog, v41_site_kinds):
         model.logits(ids)
         again = [r.getMessage() for r in caplog.records if "no tuned entry" in r.getMessage()]
     assert first and again == first
-    # the fallback configs (on sm90 the Gluon decode default for M <= 8) compute what the references do; the MoE
-    # decode default sums in f16 within each 32-block, which on this engine's 128-wide hidden and 5 tokens reaches
-    # 1.2e-2 at one of its 10 sites (H200; 1.4-4.6e-3 at V4.1 shapes); the GEMM sites are at 1.5-1.9e-3
+    # the fallback configs (on sm90 the Gluon decode default for M <= 8) compute what the references do; this
+    # engine's narrow experts (2 × 64 values of h per token) take the fp32-summing MoE GEMV (`sums_for_width`: the f16
+    # one reached 1.2e-2 here); the GEMM sites are at 1.5-1.9e-3
     rows = site_parity(model, ids)
     assert {r["kind"] for r in rows} == v41_site_kinds
-    gemm = [r for r in rows if r["kind"] == "gemm"]
-    assert max(r["rel"] for r in gemm) <= 1e-2, max(gemm, key=lambda r: r["rel"])
-    assert max(r["rel"] for r in rows) <= 2e-2, max(rows, key=lambda r: r["rel"])
+    assert max(r["rel"] for r in rows) <= 1e-2, max(rows, key=lambda r: r["rel"])
 
 
 def test_ep2_ranks_match_their_references(hopper_ckpt, partial_sums):

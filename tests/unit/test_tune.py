@@ -352,6 +352,24 @@ def test_moe_unrolled_w13_is_a_short_slice_candidate():
     assert tagged[3] == ["gemv16_13n32k256w4x4_2n256k128w4x1_s3/1_rows_u13"] and tagged[8] == []
 
 
+def test_moe_narrow_experts_sum_in_fp32():
+    """f16 in-block sums (`acc16`) only where a token's h has at least ACC16_MIN_H values (top-k × intermediate): the
+    tiny engines' experts (2 × 64, V4 tiny 2 × 128, tiny-wide 4 × 128) get the fp32 GEMV in the default and in every
+    candidate, with the flags that need f16 sums off; V4.1 (one TP8 rank 6 × 320, TP1 6 × 2304) and the mid engine
+    (6 × 512) keep the f16 default."""
+    for t, topk, e, inter, d, qb in [(1, 2, 8, 64, 128, 32), (5, 2, 8, 64, 128, 32), (8, 4, 16, 128, 256, 32),
+                                     (1, 2, 8, 128, 128, 128), (3, 2, 8, 64, 128, 32)]:
+        cands = moe_config.moe_candidates(t, topk, e, inter, d, qblock=qb)
+        assert cands[0] == moe_config.default_moe_config(t, topk, e, inter, d, qblock=qb)
+        assert cands[0].gemv and not any(c.acc16 or c.rows2 or c.unroll13 or c.tc13 for c in cands), (t, topk, inter)
+    for t, topk, e, inter, d in [(3, 6, 384, 320, 5120), (1, 6, 384, 2304, 5120), (1, 6, 32, 512, 1024)]:
+        assert moe_config.default_moe_config(t, topk, e, inter, d).acc16
+        assert any(c.acc16 for c in moe_config.moe_candidates(t, topk, e, inter, d))
+    wide = moe_config.default_moe_config(3, 6, 384, 320, 5120)
+    assert moe_config.sums_for_width(wide, 6, 320) == wide
+    assert moe_config.sums_for_width(wide, 2, 320) == dataclasses.replace(wide, acc16=False, rows2=False)
+
+
 def test_moe_w2_alone_with_pdl_is_opt_in():
     """w2 alone launched with PDL (`pdl2`, session 22): the op alone up to 6 % faster, but in a decode step, with the
     shared expert on its side stream, nothing gained at T = 1 / 3 and 2.4 µs per layer lost at T = 8. So it is reached
