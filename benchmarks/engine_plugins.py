@@ -74,7 +74,7 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     t0 = time.time()
     hf = synthesize(get_preset("v41", name), work / "hf", seed=7, train_steps=train_steps, train_device="cuda")
     if train_steps:
-        res["training"] = PermutationTask.load(hf)[1]
+        task, res["training"] = PermutationTask.load(hf)
     convert(hf, work / "hop", "hopper")
     res["synth_convert_s"] = round(time.time() - t0, 1)
     t0 = time.time()
@@ -110,7 +110,6 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     res["logits_rel"] = float((lp - lr).norm() / lr.norm())
     res["teacher_forced_argmax_agree"] = float((lp.argmax(-1) == lr.argmax(-1)).float().mean())
     if train_steps:   # the task's prompts: 4 at once, so decode runs the kernels at M = 4
-        task = PermutationTask.load(hf)[0]
         prompts = task.prompts(4, 16, seed=5).cuda()
         gp, gr = (m.generate_greedy(prompts, new_tokens)[:, 16:] for m in (plug, ref))
         expected = task.continuation(prompts[:, -1], new_tokens)

@@ -27,16 +27,16 @@ from dsflash.convert.writer import convert
 from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.v41 import MoE
+from dsflash.plugins.moe_config import fp32_sums
 
 
 def _variants(lookup):
-    def with_(**kw):   # lookup(t, topk, e, ipad, d, ...): K tiles no deeper than the GEMMs' K
+    def fp32(gemv: bool):   # lookup(t, topk, e, ipad, d, ...): K tiles no deeper than the GEMMs' K
         def pick(*a, **k):
-            cfg = dataclasses.replace(lookup(*a, **k), **kw)
+            cfg = fp32_sums(dataclasses.replace(lookup(*a, **k), gemv=gemv))
             return dataclasses.replace(cfg, bk13=min(cfg.bk13, a[4]), bk2=min(cfg.bk2, a[3]))
         return pick
-    plain = dict(acc16=False, rows2=False, unroll13=False, tc13=False)
-    return {"engine": lookup, "gemv_fp32": with_(gemv=True, **plain), "sorted_mma": with_(gemv=False, **plain)}
+    return {"engine": lookup, "gemv_fp32": fp32(True), "sorted_mma": fp32(False)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-device", default="cpu", help="device the fitting runs on (e.g. cuda)")
     a = p.parse_args(argv)
     try:
-        if a.train_steps < 0:
-            raise ValueError(f"--train-steps must be >= 0, got {a.train_steps}")
-        if a.train_steps and a.family != "v41":
-            raise ValueError(f"--train-steps: trained synthetic checkpoints are V4.1 only (got --family {a.family})")
         args = get_preset(a.family, a.preset)
         size = checkpoint_bytes(args)
         if size > MAX_SYNTH_BYTES and not a.force:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -32,11 +33,12 @@ class PermutationTask:
     vocab_size: int = 512
     seed: int = 0
 
+    @cached_property
     def permutation(self) -> torch.Tensor:
         return torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
 
     def target(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.permutation().to(ids.device)[ids - self.vocab_start] + self.vocab_start
+        return self.permutation.to(ids.device)[ids - self.vocab_start] + self.vocab_start
 
     def prompts(self, n: int, length: int, seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)

@@ -120,11 +120,15 @@ UNROLL_MAX_STEPS = 8   # (20 unrolled steps, one TP8 rank's M = 8 in one slice, 
 ACC16_MIN_H = 1024
 
 
+def fp32_sums(cfg: MoeConfig) -> MoeConfig:
+    """cfg with fp32 sums: `acc16` off, and with it the flags that need f16 sums (`rows2`, `unroll13`, `tc13`)."""
+    return dataclasses.replace(cfg, acc16=False, rows2=False, unroll13=False, tc13=False)
+
+
 def sums_for_width(cfg: MoeConfig, topk: int, inter: int) -> MoeConfig:
-    """cfg, or for narrow experts (top-k × inter < ACC16_MIN_H) its fp32-accumulating GEMV (the flags that need
-    f16 sums, `rows2`, `unroll13` and `tc13`, off with it)."""
+    """cfg, or for narrow experts (top-k × inter < ACC16_MIN_H) its fp32-accumulating GEMV (`fp32_sums`)."""
     if cfg.gemv and cfg.acc16 and topk * inter < ACC16_MIN_H:
-        return dataclasses.replace(cfg, acc16=False, rows2=False, unroll13=False, tc13=False)
+        return fp32_sums(cfg)
     return cfg
 
 
