@@ -119,6 +119,31 @@ class ThinkingSplit:
         return text[:a], text[b:]
 
 
+def _whole_response(base: dict, choice: dict, s: Stream, prompt_ids: list[int], want_ids: bool) -> Response:
+    """The non-streaming body of either endpoint: one choice, usage, and the token ids when asked for."""
+    if want_ids:
+        choice["token_ids"] = s.token_ids
+    out = {**base, "choices": [choice], "usage": _usage(s)}
+    if want_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return JSONResponse(out)
+
+
+def _event_stream(fe: Frontend, s: Stream, chunks, base: dict, include_usage: bool) -> EventStream:
+    """SSE framing shared by both endpoints. A request that fails mid-stream (the status is already 200) ends with
+    an error event, and every stream ends with `[DONE]`, as OpenAI's clients expect."""
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": _usage(s)})
+        except APIError as e:
+            fe.metrics.record_error(e.status)
+            yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+        yield "data: [DONE]\n\n"
+    return EventStream(events(), on_close=s.aclose)
+
 
 async def _collect_whole(fe: Frontend, request: Request, s: Stream) -> Response | None:
     """Wait for the whole (non-streamed) answer; the error response if the client left or the request failed."""
@@ -181,34 +206,22 @@ async def completions(fe: Frontend, request: Request) -> Response:
             return failed
         choice = {"index": 0, "text": s.text, "logprobs": completion_logprobs(fe, s.logprobs) if params.logprobs
                   is not None else None, "finish_reason": s.finish_reason}
-        if want_ids:
-            choice["token_ids"] = s.token_ids
-        out = {**base, "choices": [choice], "usage": _usage(s)}
-        if want_ids:
-            out["prompt_token_ids"] = ids
-        return JSONResponse(out)
+        return _whole_response(base, choice, s, ids, want_ids)
 
-    async def events():
+    async def chunks():
         offset = 0
-        try:
-            async for o in s:
-                choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-                if params.logprobs is not None and o.logprobs:
-                    choice["logprobs"] = completion_logprobs(fe, o.logprobs, offset)
-                if want_ids:
-                    choice["token_ids"] = o.new_token_ids
-                offset += len(o.text)
-                chunk = {**base, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+        async for o in s:
+            choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+            if params.logprobs is not None and o.logprobs:
+                choice["logprobs"] = completion_logprobs(fe, o.logprobs, offset)
+            if want_ids:
+                choice["token_ids"] = o.new_token_ids
+            offset += len(o.text)
+            chunk = {**base, "choices": [choice]}
             if include_usage:
-                yield sse({**base, "choices": [], "usage": _usage(s)})
-        except APIError as e:
-            fe.metrics.record_error(e.status)
-            yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
-        yield "data: [DONE]\n\n"
-    return EventStream(events(), on_close=s.aclose)
+                chunk["usage"] = None
+            yield chunk
+    return _event_stream(fe, s, chunks(), base, include_usage)
 
 
 def _thinking_options(body: dict) -> tuple[bool, object]:
@@ -256,35 +269,23 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
         msg = {"role": "assistant", "content": content, "reasoning_content": reasoning if thinking else None}
         choice = {"index": 0, "message": msg, "logprobs": chat_logprobs(fe, s.logprobs) if lp is not None else None,
                   "finish_reason": s.finish_reason}
-        if want_ids:
-            choice["token_ids"] = s.token_ids
-        out = {**base, "choices": [choice], "usage": _usage(s)}
-        if want_ids:
-            out["prompt_token_ids"] = ids
-        return JSONResponse(out)
+        return _whole_response(base, choice, s, ids, want_ids)
 
     chunk_base = {**base, "object": "chat.completion.chunk"}
 
-    async def events():
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse({**chunk_base, "choices": [first]})
-        try:
-            async for o in s:
-                reasoning, content = split.push(o.new_token_ids, o.text)
-                delta = {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content or not reasoning:
-                    delta["content"] = content
-                choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(fe, o.logprobs)
-                          if lp is not None and o.logprobs else None, "finish_reason": o.finish_reason}
-                if want_ids:
-                    choice["token_ids"] = o.new_token_ids
-                yield sse({**chunk_base, "choices": [choice]})
-            if include_usage:
-                yield sse({**chunk_base, "choices": [], "usage": _usage(s)})
-        except APIError as e:
-            fe.metrics.record_error(e.status)
-            yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
-        yield "data: [DONE]\n\n"
-    return EventStream(events(), on_close=s.aclose)
+    async def chunks():
+        yield {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                          "finish_reason": None}]}
+        async for o in s:
+            reasoning, content = split.push(o.new_token_ids, o.text)
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not reasoning:
+                delta["content"] = content
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(fe, o.logprobs)
+                      if lp is not None and o.logprobs else None, "finish_reason": o.finish_reason}
+            if want_ids:
+                choice["token_ids"] = o.new_token_ids
+            yield {**chunk_base, "choices": [choice]}
+    return _event_stream(fe, s, chunks(), chunk_base, include_usage)

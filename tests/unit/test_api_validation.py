@@ -254,3 +254,43 @@ def test_thinking_split_by_token():
         got_r, got_c = got_r + r, got_c + c
     assert (got_r, got_c) == ("Let me think.", " The answer.")
     assert ThinkingSplit(fe, thinking=False).push(ids, "all of it") == ("", "all of it")
+
+
+def _sse_events(stream_response) -> list:
+    import asyncio
+
+    async def drain():
+        return [e async for e in stream_response.events]
+    out = []
+    for e in asyncio.run(drain()):
+        assert e.startswith("data: ") and e.endswith("\n\n")
+        body = e[len("data: "):-2]
+        out.append(body if body == "[DONE]" else json.loads(body))
+    return out
+
+
+@pytest.mark.parametrize("fail_after", [None, 1])
+def test_openai_event_stream_framing(fail_after):
+    """Both OpenAI endpoints stream through one framing: chunks, the usage chunk when asked, [DONE] last; a request
+    that fails after its 200 went out ends with an error event (and is counted) instead of a usage chunk."""
+    from dsflash.serve.api.openai import _event_stream
+    errors = []
+    fe = SimpleNamespace(metrics=SimpleNamespace(record_error=errors.append))
+    s = SimpleNamespace(prompt_tokens=3, completion_tokens=2, spec=None, aclose=None)
+    base = {"id": "cmpl-1", "object": "text_completion"}
+
+    async def chunks():
+        for i in range(2):
+            if i == fail_after:
+                raise APIError(503, "engine stopped")
+            yield {**base, "choices": [{"index": 0, "text": str(i)}]}
+    got = _sse_events(_event_stream(fe, s, chunks(), base, include_usage=True))
+    assert got[-1] == "[DONE]"
+    if fail_after is None:
+        assert [c["choices"][0]["text"] for c in got[:2]] == ["0", "1"] and errors == []
+        assert got[2] == {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                                         "total_tokens": 5}}
+    else:
+        assert got[0]["choices"][0]["text"] == "0" and errors == [503]
+        assert got[1] == {"error": {"message": "engine stopped", "type": APIError(503, "x").kind, "code": 503}}
+        assert len(got) == 3
