@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dsflash.convert.atomic import atomic_dir
+from dsflash.convert.synth_train import TASK_FILE, train_values
 from dsflash.model_def.config import ModelArgs, get_preset
 from dsflash.model_def.names import TensorEntry, tensor_table
 from dsflash.model_def.quant import quant_fp8_block, quant_fp8_rows32, quant_mxfp4
@@ -107,7 +108,6 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
     out = Path(out)
     values, record = None, None
     if train_steps:
-        from dsflash.convert.synth_train import train_values
         values, record = train_values(args, seed, train_steps, device=train_device, progress=progress)
     with atomic_dir(out, "tmp-synth") as tmp:
         table = tensor_table(args)
@@ -136,7 +136,6 @@ def synthesize(args: ModelArgs, out: str | Path, seed: int = 0, shard_bytes: int
         gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if record is not None:
-            from dsflash.convert.synth_train import TASK_FILE
             (tmp / TASK_FILE).write_text(json.dumps(record, indent=2))
         src = tokenizer_source_dir()
         for f in TOKENIZER_FILES:

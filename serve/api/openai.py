@@ -12,6 +12,7 @@ into `reasoning_content` and `content` at `</think>`. Completion prompts may be 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -129,7 +130,8 @@ def _whole_response(base: dict, choice: dict, s: Stream, prompt_ids: list[int], 
     return JSONResponse(out)
 
 
-def _event_stream(fe: Frontend, s: Stream, chunks, base: dict, include_usage: bool) -> EventStream:
+def _event_stream(fe: Frontend, s: Stream, chunks: AsyncIterator[dict], base: dict,
+                  include_usage: bool) -> EventStream:
     """SSE framing shared by both endpoints. A request that fails mid-stream (the status is already 200) ends with
     an error event, and every stream ends with `[DONE]`, as OpenAI's clients expect."""
     async def events():
