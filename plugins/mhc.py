@@ -70,6 +70,15 @@ def _load_streams(x_row, stride_xs, D, CHUNK_G: tl.constexpr, NCHUNK: tl.constex
 
 
 @triton.jit
+def _stream_slices(x_row, stride_xs, offs, mask):
+    """The 4 streams of a token's row at offs, in fp32 (the passes over D that do not hold the row in registers)."""
+    return (tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32),
+            tl.load(x_row + stride_xs + offs, mask=mask, other=0.0).to(tl.float32),
+            tl.load(x_row + 2 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32),
+            tl.load(x_row + 3 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _expand_coeffs(post_row, comb_row, npre_row, FUSE_NEXT: tl.constexpr):
     """post_k, comb[j, k] (row-major, 16) and, when fused, the next site's pre_k, as scalars loaded once: loaded where
     they are used, the expand's stores (possible aliases to the compiler) would make every chunk reload them."""
@@ -145,10 +154,7 @@ def _hc_pre_kernel(
     for d0 in range(0, D, CHUNK_G * 32):
         offs = d0 + g[:, None] * 32 + j[None, :]
         mask = offs < D
-        x0 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_row + stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + 2 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_row + 3 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
+        x0, x1, x2, x3 = _stream_slices(x_row, stride_xs, offs, mask)
         xc = (p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3).to(y_ptr.dtype.element_ty)
         tl.store(y_row + offs, xc, mask=mask)
         xf = xc.to(tl.float32)
@@ -203,10 +209,7 @@ def _hc_post_kernel(
     for d0 in range(0, D, CHUNK_G * 32):
         offs = d0 + g[:, None] * 32 + j[None, :]
         mask = offs < D
-        x0 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_row + stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + 2 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_row + 3 * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
+        x0, x1, x2, x3 = _stream_slices(x_row, stride_xs, offs, mask)
         f = tl.load(fx_ptr + t * stride_ft + offs, mask=mask, other=0.0).to(tl.float32)
         xn = tl.zeros([CHUNK_G, 32], dtype=tl.float32)
         for k in tl.static_range(4):

@@ -253,20 +253,12 @@ def _block_expert(off_ptr, E, start, NB_E: tl.constexpr):
     return tl.sum((off <= start).to(tl.int32), axis=0) - 1
 
 
-# -- 4. w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 fake quant ----------------------------------------------
 @triton.jit
-def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_ptr,
-                    N, N_VALID, K, E, P, TOPK,
-                    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-                    limit,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
-                    NUM_STAGES: tl.constexpr, QB: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    start = pid_m * BLOCK_M
-    total = tl.load(off_ptr + E)
-    if start >= total:
-        return
+def _sorted_tile(sorted_ptr, off_ptr, start, pid_n, N, E, P, TOPK, stride_we, stride_wn, stride_se, stride_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr):
+    """The sorted path's tile (slots start.. of one expert's padded run, N tile pid_n): its slots, pairs, validity,
+    tokens, output columns (and their mask), K offsets, and the weight-word [BN, BK/2] and scale [BN, BK/32] offsets
+    within the expert's rows (to which each K step adds k0 // 2 and k0 // 32)."""
     e = _block_expert(off_ptr, E, start, NB_E).to(tl.int64)
     slots = start + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + slots)
@@ -275,11 +267,27 @@ def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
-    offs_ks = tl.arange(0, BLOCK_K // 32)
+    wrow = e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+    srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
+    return slots, pair, valid, tok, offs_n, mn, offs_k, wrow, srow
+
+
+# -- 4. w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 fake quant ----------------------------------------------
+@triton.jit
+def _moe_w13_kernel(xq_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, off_ptr, topw_ptr,
+                    N, N_VALID, K, E, P, TOPK,
+                    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                    limit,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, QB: tl.constexpr):
+    pid_n = tl.program_id(1)
+    start = tl.program_id(0) * BLOCK_M
+    if start >= tl.load(off_ptr + E):
+        return
+    slots, pair, valid, tok, offs_n, mn, offs_k, wrow, srow = _sorted_tile(
+        sorted_ptr, off_ptr, start, pid_n, N, E, P, TOPK, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, NB_E)
     x_ptrs = xq_ptr + tok[None, :] * stride_x + offs_k[:, None]                          # [BK, BM]
-    wrow = e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kb[None, :]   # [BN, BK/2]
-    srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]   # [BN, BK/32]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # a tile wholly past the logical width (a TP rank's zero padding) reads no weights and stores h = 0
@@ -311,25 +319,14 @@ def _moe_w2_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, sorted_ptr, off_ptr,
                    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB_E: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    start = pid_m * BLOCK_M
-    total = tl.load(off_ptr + E)
-    if start >= total:
+    start = tl.program_id(0) * BLOCK_M
+    if start >= tl.load(off_ptr + E):
         return
-    e = _block_expert(off_ptr, E, start, NB_E).to(tl.int64)
-    slots = start + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + slots)
-    valid = pair < P
-    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
-    offs_ks = tl.arange(0, BLOCK_K // 32)
+    slots, pair, valid, tok, offs_n, mn, offs_k, wrow, srow = _sorted_tile(
+        sorted_ptr, off_ptr, start, pid_n, N, E, P, TOPK, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, NB_E)
     h_ptrs = h_ptr + slots.to(tl.int64)[None, :] * stride_h + offs_k[:, None]           # [BK, BM]
-    wrow = e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kb[None, :]
-    srow = e * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ht = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
