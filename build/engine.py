@@ -21,6 +21,7 @@ from dsflash.build.shard import cut_stored
 from dsflash.build.source import open_source
 from dsflash.convert.atomic import atomic_dir
 from dsflash.model_def import build_model
+from dsflash.model_def.checkpoint import CheckpointError, read_safetensors_header
 from dsflash.model_def.config import args_from_hf_dict
 from dsflash.model_def.dispatch import MOE_PLUGINS
 from dsflash.model_def.mapping import Mapping
@@ -211,6 +212,25 @@ class ShapeOnlyComm:
         raise RuntimeError("ShapeOnlyComm is for building models on the meta device only")
 
 
+def rank_tensors(eng: Engine, rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} of a rank file, read from its header after checking the file is as long
+    as the header says (a truncated or corrupt rank file fails here, naming the file)."""
+    try:
+        header = read_safetensors_header(eng.rank_file(rank))
+    except CheckpointError as e:
+        raise EngineError(str(e)) from None
+    return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items()}
+
+
+def check_rank_tensor(file: Path, have: dict, name: str, shape: tuple, dtype: str) -> None:
+    """`name` is in the rank file (`have`: `rank_tensors`) with this shape and dtype, or an EngineError says not."""
+    if name not in have:
+        raise EngineError(f"{file}: tensor '{name}' is missing")
+    if have[name] != (tuple(shape), dtype):
+        raise EngineError(f"{file}: tensor '{name}' is {have[name][1]} {list(have[name][0])}, "
+                          f"expected {dtype} {list(shape)}")
+
+
 def verify_engine(path: str | Path) -> None:
     """Every rank file against the model built on the meta device: names, shapes, dtypes; nothing missing/extra."""
     from dsflash.convert import layouts
@@ -223,9 +243,7 @@ def verify_engine(path: str | Path) -> None:
         m = eng.mapping(r)
         model = build_model(args, "deploy", mapping=m, comm=ShapeOnlyComm(m), device="meta")
         params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        with safe_open(str(eng.rank_file(r)), framework="pt") as f:
-            have = {k: f.get_slice(k) for k in f.keys()}
-            have = {k: (tuple(v.get_shape()), v.get_dtype()) for k, v in have.items()}
+        have = rank_tensors(eng, r)
         expected = {}
         for e in table:
             cut = plan.cuts.get(e.name)
@@ -244,11 +262,7 @@ def verify_engine(path: str | Path) -> None:
             for o in layouts.outputs(le, meta["layout"], meta["expert_dtype"], args):
                 expected[o.name] = (o.shape, o.dtype)
         for name, (shape, dtype) in expected.items():
-            if name not in have:
-                raise EngineError(f"{eng.rank_file(r)}: tensor '{name}' is missing")
-            if have[name] != (shape, dtype):
-                raise EngineError(f"{eng.rank_file(r)}: tensor '{name}' is {have[name][1]} {list(have[name][0])}, "
-                                  f"expected {dtype} {list(shape)}")
+            check_rank_tensor(eng.rank_file(r), have, name, shape, dtype)
         extra = sorted(set(have) - set(expected))
         if extra:
             raise EngineError(f"{eng.rank_file(r)}: unexpected tensors, e.g. {extra[:3]}")
@@ -280,12 +294,17 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
     table = tensor_table(args)
     cuts = plan_rank(args, table, mapping, meta["arch"]).cuts
     kept: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(eng.rank_file(rank)), framework="pt") as f, torch.no_grad():
+    file = eng.rank_file(rank)
+    have = rank_tensors(eng, rank)
+    with safe_open(str(file), framework="pt") as f, torch.no_grad():
         for e in table:
             if e.name not in cuts:
                 continue
             le = local_entry(e, cuts[e.name])
-            ours = {n: f.get_tensor(n) for n in layouts.stored_names(le, meta["layout"], meta["expert_dtype"], args)}
+            outs = layouts.outputs(le, meta["layout"], meta["expert_dtype"], args)
+            for o in outs:
+                check_rank_tensor(file, have, o.name, o.shape, o.dtype)
+            ours = {o.name: f.get_tensor(o.name) for o in outs}
             if wants_kernel_format(chosen, args, le):
                 # the kernels read the HF format (plain codes + e8m0 scales): unpack once, dequantize from that
                 ref = layouts.to_reference(le, ours, meta["layout"], meta["expert_dtype"], args)

@@ -20,6 +20,8 @@ class DeepseekTokenizer:
 
     def __init__(self, model_dir: str | Path, bos_token_id: int = 0):
         path = Path(model_dir) / "tokenizer.json"
+        if not Path(model_dir).is_dir():
+            raise TokenizerError(f"{model_dir}: directory not found")
         if not path.is_file():
             raise TokenizerError(f"{path}: tokenizer file not found")
         self.tok, self.bos_token_id = _load(str(path)), bos_token_id

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from dsflash.build.engine import EngineError, open_engine, write_engine
+from dsflash.build.engine import EngineError, load_engine_model, open_engine, verify_engine, write_engine
 from dsflash.build.plan import BuildConfig, plan_ranks
 from dsflash.build.shard import ShardError, expert_id
 from dsflash.convert.synth import synthesize
@@ -104,6 +104,39 @@ def test_engine_on_wrong_arch_is_refused(hf_v41, tmp_path):
         open_engine(out)
     r = dsflash("generate", "--engine", str(out), "--input-ids", "1,2,3", "--max-new-tokens", "2", check=False)
     assert r.returncode != 0 and "built for sm90" in r.stderr
+
+
+def test_damaged_rank_file_is_named(hf_v41, tmp_path):
+    """A truncated rank file, a missing tensor and a tensor of the wrong dtype each fail loading (and verification)
+    with the file and tensor named; the CLI exits non-zero with that message, not a traceback."""
+    import shutil
+    good = write_engine(hf_v41, tmp_path / "good", Mapping(), "cpu", BuildConfig(), progress=False)
+    tensors = load_file(str(good / "rank0.safetensors"))
+    name = next(n for n in sorted(tensors) if tensors[n].dtype == torch.bfloat16)
+
+    def damaged(tag, damage):
+        eng = tmp_path / tag
+        shutil.copytree(good, eng)
+        damage(eng / "rank0.safetensors")
+        return eng
+
+    truncated = damaged("truncated", lambda f: f.write_bytes(f.read_bytes()[:-1000]))
+    missing = damaged("missing", lambda f: save_file({k: v for k, v in tensors.items() if k != name}, str(f)))
+    retyped = damaged("retyped", lambda f: save_file({**tensors, name: tensors[name].float()}, str(f)))
+    cases = [(truncated, "truncated safetensors file"), (missing, f"tensor '{name}' is missing"),
+             (retyped, f"tensor '{name}' is F32 .*, expected BF16")]
+    for eng, why in cases:
+        for check in (load_engine_model, verify_engine):
+            with pytest.raises(EngineError, match=f"rank0.safetensors: {why}"):
+                check(eng)
+    load_engine_model(good)
+    verify_engine(good)
+    r = dsflash("generate", "--engine", str(truncated), "--input-ids", "1,2,3", "--max-new-tokens", "2", check=False)
+    assert r.returncode != 0 and "rank0.safetensors: truncated safetensors file" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = dsflash("generate", "--engine", str(tmp_path / "absent"), "--input-ids", "1", "--max-new-tokens", "1",
+                check=False)
+    assert r.returncode != 0 and "absent: directory not found" in r.stderr
 
 
 def test_disk_full_during_build_leaves_nothing(hf_v41, tmp_path, monkeypatch):
