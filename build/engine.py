@@ -321,9 +321,8 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
             p.copy_(value.to(p.dtype))
     if any(impl != "reference" for impl in chosen.values()):
         bind_plugins(model, args, chosen, kept, meta["expert_inter_local"], mapping.moe_ep_size)
-        from dsflash.build.tune import TUNED_FILE, gemm_table, moe_table
-        f = Path(path) / TUNED_FILE
-        tuned = json.loads(f.read_text()) if f.is_file() else None
+        from dsflash.build.tune import gemm_table, moe_table, read_tuned
+        tuned = read_tuned(path)
         # no tuned.json (or no entry for a shape): the default config, logged once per shape
         if chosen.get("gemm") == "fp8_gemm":
             from dsflash.plugins import tuning

@@ -476,6 +476,36 @@ def _pow2_cover(by_m: dict[int, dict]) -> dict[int, dict]:
     return out
 
 
+def _this_gpu() -> str | None:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def read_tuned(engine_dir: str | Path) -> dict | None:
+    """An engine's tuned.json, checked: None when the build wrote none (every shape then falls back, logged once
+    each); a file that is not JSON or whose entries lack "op", "bucket" or "config" is an EngineError naming it. Timings
+    taken on another GPU model than this one are used, with one warning (rebuild to retune)."""
+    from dsflash.build.engine import EngineError
+    f = Path(engine_dir) / TUNED_FILE
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineError(f"{f}: not valid JSON ({e})") from None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise EngineError(f"{f}: expected an object with an \"entries\" list (written by `dsflash build`)")
+    for i, e in enumerate(entries):
+        missing = [k for k in ("op", "bucket", "config") if not isinstance(e, dict) or k not in e]
+        if missing:
+            raise EngineError(f"{f}: entries[{i}] lacks {', '.join(repr(k) for k in missing)}")
+    here = _this_gpu()
+    if here is not None and data.get("gpu") not in (None, here):
+        log.warning("%s: configs were timed on %s, this GPU is %s; they run, but rebuild the engine here to retune",
+                    f, data["gpu"], here)
+    return data
+
+
 class TunedTable:
     """Lookups from tuned.json with a guaranteed, logged fallback."""
 
@@ -486,8 +516,7 @@ class TunedTable:
 
     @classmethod
     def load(cls, engine_dir: str | Path) -> "TunedTable":
-        f = Path(engine_dir) / TUNED_FILE
-        return cls(json.loads(f.read_text()) if f.is_file() else None)
+        return cls(read_tuned(engine_dir))
 
     def lookup(self, op: str, bucket: dict) -> dict:
         for e in self.data["entries"]:

@@ -1,6 +1,7 @@
 """Build-time tuning: best config recorded with its measurements; lookups fall back visibly, once; the FP8 GEMM's
 shapes, skips on machines without the engine's GPU, and the serve-side table."""
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -43,6 +44,32 @@ def test_lookup_falls_back_and_logs_once(caplog):
         for _ in range(3):
             assert table.lookup("lm_head", {"m": 64, "v": 10, "d": 4}) == LM_HEAD.fallback
     assert len([r for r in caplog.records if "no entry for lm_head" in r.getMessage()]) == 1
+
+
+def test_tuned_json_is_checked_when_read(tmp_path, monkeypatch, caplog):
+    """read_tuned: absent -> None; not JSON, no entries list, or an entry without op/bucket/config -> EngineError
+    naming the file; timings from another GPU model are used with one warning."""
+    from dsflash.build.engine import EngineError
+    assert tune_mod.read_tuned(tmp_path) is None
+    f = tmp_path / tune_mod.TUNED_FILE
+    entry = {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}
+    for text, why in [("{", "not valid JSON"), ("[]", "an \"entries\" list"), ('{"entries": {}}', "an \"entries\" list"),
+                      (json.dumps({"entries": [entry, {"op": "lm_head", "bucket": {}}]}), "entries\\[1\\] lacks 'config'")]:
+        f.write_text(text)
+        with pytest.raises(EngineError, match=f"tuned.json: .*{why}"):
+            tune_mod.read_tuned(tmp_path)
+        with pytest.raises(EngineError):
+            TunedTable.load(tmp_path)
+    f.write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "entries": [entry]}))
+    monkeypatch.setattr(tune_mod, "_this_gpu", lambda: "NVIDIA H200")
+    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
+        assert TunedTable.load(tmp_path).lookup("lm_head", entry["bucket"]) == {"chunk": 8192}
+    assert "timed on NVIDIA H100 80GB HBM3, this GPU is NVIDIA H200" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(tune_mod, "_this_gpu", lambda: "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
+        tune_mod.read_tuned(tmp_path)
+    assert "timed on" not in caplog.text
 
 
 def test_m_buckets():
