@@ -51,11 +51,27 @@ class CanonicalSource:
         manifest = json.loads(man.read_text())
         entries = manifest["tensors"] if isinstance(manifest, dict) else manifest
         self.shard_of = {t["name"]: t["shard"] for t in entries}
-        for shard in sorted(set(self.shard_of.values())):
-            read_safetensors_header(path / shard)
+        headers = {shard: read_safetensors_header(path / shard) for shard in sorted(set(self.shard_of.values()))}
         self._handles: dict[str, object] = {}
         from dsflash.convert import layouts
         self._layouts = layouts
+        self._validate(headers)
+
+    def _validate(self, headers: dict[str, dict]) -> None:
+        """Every tensor the config's model needs in this layout is in the manifest and in its shard with the shape
+        and dtype the config implies (a config edited after convert, or a shard from another checkpoint, fails here
+        naming the shard and tensor, before build writes anything)."""
+        for e in tensor_table(self.args):
+            for o in self._layouts.outputs(e, self.layout, self.expert_dtype, self.args):
+                shard = self.shard_of.get(o.name)
+                if shard is None:
+                    raise CheckpointError(f"{self.path / 'manifest.json'}: tensor '{o.name}' is missing")
+                t = headers[shard].get(o.name)
+                if t is None:
+                    raise CheckpointError(f"{self.path / shard}: tensor '{o.name}' is missing (manifest.json lists it)")
+                if (tuple(t["shape"]), t["dtype"]) != (tuple(o.shape), o.dtype):
+                    raise CheckpointError(f"{self.path / shard}: tensor '{o.name}' is {t['dtype']} {t['shape']}, "
+                                          f"config.json implies {o.dtype} {list(o.shape)}")
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self.shard_of:

@@ -139,6 +139,33 @@ def test_damaged_rank_file_is_named(hf_v41, tmp_path):
     assert r.returncode != 0 and "absent: directory not found" in r.stderr
 
 
+def test_canonical_checkpoint_that_disagrees_with_its_config_is_refused(hf_v41, tmp_path):
+    """A convert output whose config.json was edited afterwards, or whose shard lost a tensor the manifest lists,
+    fails `build` up front naming the shard and tensor, and leaves no engine directory."""
+    import shutil
+    ck = tmp_path / "ck"
+    dsflash("convert", "--hf", str(hf_v41), "--out", str(ck), "--layout", "reference")
+    resized = tmp_path / "resized"
+    shutil.copytree(ck, resized)
+    cfg = json.loads((resized / "config.json").read_text())
+    cfg["model"]["text_config"]["hidden_size"] += 16
+    (resized / "config.json").write_text(json.dumps(cfg))
+    r = dsflash("build", "--ckpt", str(resized), "--out", str(tmp_path / "e1"), "--tp", "1", "--arch", "cpu",
+                check=False)
+    assert r.returncode != 0 and "tensor 'embed.weight' is BF16" in r.stderr and "config.json implies" in r.stderr
+    assert not (tmp_path / "e1").exists()
+    emptied = tmp_path / "emptied"
+    shutil.copytree(ck, emptied)
+    shard = sorted(emptied.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    gone = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != gone}, str(shard))
+    r = dsflash("build", "--ckpt", str(emptied), "--out", str(tmp_path / "e2"), "--tp", "1", "--arch", "cpu",
+                check=False)
+    assert r.returncode != 0 and f"{shard.name}: tensor '{gone}' is missing (manifest.json lists it)" in r.stderr
+    assert not (tmp_path / "e2").exists()
+
+
 def test_disk_full_during_build_leaves_nothing(hf_v41, tmp_path, monkeypatch):
     import dsflash.build.engine as be
     calls = {"n": 0}
