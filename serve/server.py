@@ -19,13 +19,36 @@ from pathlib import Path
 log = logging.getLogger("dsflash.serve")
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsflash serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine directory made by `dsflash build`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI + KServe v2 + /metrics); 0 = any free")
-    p.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 gRPC port; 0 = any free, -1 = no gRPC")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="HTTP port (OpenAI + KServe v2 + /metrics); 0 = any free")
+    p.add_argument("--grpc-port", type=_int_in(-1, 65535), default=8001, help="KServe v2 gRPC port; 0 = any free, -1 = no gRPC")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (env DSFLASH_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: engine dir name)")
     p.add_argument("--max-prompt-len", type=int, default=None, help="prompt tokens (default: max_seq_len - 1)")
@@ -41,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None, help="lower the engine's max_batch_size")
     p.add_argument("--max-num-tokens", type=int, default=None, help="lower the engine's max_num_tokens")
     p.add_argument("--max-seq-len", type=int, default=None, help="lower the engine's max_seq_len")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=_seconds, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_speculative_args(p)
@@ -211,8 +234,10 @@ class Server:
             log.info("speculative decoding: %s, %d draft tokens%s", speculative.algorithm,
                      speculative.num_draft_tokens, sim)
         top = core.max_seq_len - 1
-        limits = Limits(max_prompt_len=min(a.max_prompt_len or top, top), max_tokens_limit=a.max_tokens_limit or top,
-                        max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        # an explicit 0 is a value (refused by Limits), not "unset"
+        limits = Limits(max_prompt_len=top if a.max_prompt_len is None else min(a.max_prompt_len, top),
+                        max_tokens_limit=top if a.max_tokens_limit is None else a.max_tokens_limit,
+                        max_body_bytes=DEFAULT_MAX_BODY_BYTES if a.max_body_bytes is None else a.max_body_bytes)
         self.engine = AsyncLLMEngine(core)
         self.fe = Frontend(self.engine, limits, served_name=a.served_model_name, aliases=TRTLLM_NAMES)
         self.exit_code = 0

@@ -294,6 +294,21 @@ def guarded(tmp_path_factory):
         yield s
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "99999"], "argument --port: must be in [0, 65535], got 99999"),
+    (["--grpc-port", "70000"], "argument --grpc-port: must be in [-1, 65535], got 70000"),
+    (["--drain-timeout", "-1"], "argument --drain-timeout: must be >= 0, got -1"),
+    (["--max-tokens-limit", "0"], "max_tokens_limit must be >= 1, got 0"),   # 0 is a value, not "unset"
+    (["--max-body-bytes", "0"], "max_body_bytes must be >= 1, got 0"),
+])
+def test_bad_server_flags_are_refused(tmp_path_factory, flags, needle):
+    _, engine = sv.tiny_engine(sv.engines_dir(tmp_path_factory), "v4")
+    r = subprocess.run([sys.executable, "-m", "dsflash.serve.cli", "serve", "--engine", str(engine), "--port", "0",
+                        "--grpc-port", "-1", *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = {"authorization": f"Bearer {KEY}"}  # gRPC metadata keys are lower case
 
