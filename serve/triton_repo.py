@@ -16,6 +16,7 @@ CPU), with the stub for this Python version copied in. Single-rank engines only:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -69,6 +70,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *
                kv_cache_free_gpu_mem_fraction: float | None = None, max_queue_size: int | None = None,
                max_batch_size: int | None = None, bls_instances: int = 4, extra_site_dirs: list[str] = ()) -> Path:
     from dsflash.build.engine import EngineError, open_engine
+    from dsflash.convert.atomic import atomic_dir
     eng = open_engine(engine_dir)
     if eng.world_size != 1:
         raise EngineError(f"{engine_dir}: engine has {eng.world_size} ranks; the Triton repository serves "
@@ -91,13 +93,15 @@ def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *
         params["max_queue_size"] = str(max_queue_size)
     if max_batch_size is not None:
         params["max_batch_size"] = str(max_batch_size)
-    for model, decoupled, cls, extra, count in (
-            (name, True, "TritonPythonModel", params, 1),
-            (f"{name}_bls", False, "TritonBLSModel", {"target_model": name}, bls_instances)):
-        d = out / model / "1"
-        d.mkdir(parents=True)
-        (out / model / "config.pbtxt").write_text(config_pbtxt(model, mbs, decoupled, extra, count))
-        (d / "model.py").write_text(MODEL_PY.format(site_dirs=site_dirs(extra_site_dirs), cls=cls))
+    models = ((name, True, "TritonPythonModel", params, 1),
+              (f"{name}_bls", False, "TritonBLSModel", {"target_model": name}, bls_instances))
+    # both model dirs are written beside their places and renamed only when both are complete
+    with contextlib.ExitStack() as stack:
+        for model, decoupled, cls, extra, count in models:
+            tmp = stack.enter_context(atomic_dir(out / model, "tmp-triton-repo"))
+            (tmp / "1").mkdir()
+            (tmp / "config.pbtxt").write_text(config_pbtxt(model, mbs, decoupled, extra, count))
+            (tmp / "1" / "model.py").write_text(MODEL_PY.format(site_dirs=site_dirs(extra_site_dirs), cls=cls))
     return out
 
 

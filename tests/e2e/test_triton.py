@@ -100,6 +100,32 @@ def triton(tmp_path_factory):
         log.close()
 
 
+def test_repository_models_appear_whole_or_not_at_all(tmp_path_factory, tmp_path, monkeypatch):
+    """A failure while writing the second (BLS) model leaves neither model nor a temp dir; existing models are
+    refused, not overwritten."""
+    from dsflash.build.engine import EngineError
+    from dsflash.serve import triton_repo
+    _, engine = sv.tiny_engine(sv.engines_dir(tmp_path_factory), "v41")
+    repo = tmp_path / "repo"
+    calls = []
+
+    def failing_site_dirs(extra):
+        calls.append(extra)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return []
+    monkeypatch.setattr(triton_repo, "site_dirs", failing_site_dirs)
+    with pytest.raises(OSError, match="disk full"):
+        triton_repo.write_repo(engine, repo)
+    assert len(calls) == 2 and list(repo.iterdir()) == []
+    monkeypatch.undo()
+    triton_repo.write_repo(engine, repo)
+    assert sorted(p.name for p in repo.iterdir()) == ["dsflash", "dsflash_bls"]
+    assert (repo / "dsflash_bls" / "1" / "model.py").is_file()
+    with pytest.raises(EngineError, match="dsflash: model directory already exists"):
+        triton_repo.write_repo(engine, repo)
+
+
 def test_repository_layout(triton):
     repo = Path(triton["log"]).parent / "repo"
     cfg = (repo / "dsflash_v41" / "config.pbtxt").read_text()
