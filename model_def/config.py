@@ -281,6 +281,9 @@ def _build(cls, cfg: dict, where: str):
         return cls(**kw, extra=extra)
     except TypeError as e:  # wrong value types surface here
         raise ConfigError(f"{where}: {e}") from None
+    except ConfigError as e:  # __post_init__ knows the section, not the file: name the file the config came from
+        msg = str(e)
+        raise ConfigError(where + msg[len("config.json"):] if msg.startswith("config.json") else msg) from None
 
 
 def args_from_hf_dict(cfg: dict, where: str = "config.json") -> ModelArgs:
