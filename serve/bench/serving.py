@@ -12,6 +12,7 @@ import json
 import threading
 import time
 import urllib.error
+import urllib.error
 import urllib.request
 from collections import deque
 
@@ -23,8 +24,16 @@ from dsflash.serve.bench.stats import RequestRecord
 
 def server_model(base_url: str, api_key: str | None, timeout: float = 30.0) -> str:
     """The model id the server lists first (`GET /v1/models`)."""
-    with urllib.request.urlopen(_request(f"{base_url}/v1/models", None, api_key), timeout=timeout) as r:
-        models = json.loads(r.read()).get("data") or []
+    url = f"{base_url}/v1/models"
+    try:
+        with urllib.request.urlopen(_request(url, None, api_key), timeout=timeout) as r:
+            models = json.loads(r.read()).get("data") or []
+    except ValueError as e:   # not a URL (urllib), or not JSON
+        raise OSError(f"{url}: {e} (--base-url takes http://HOST:PORT)") from None
+    except urllib.error.HTTPError as e:
+        raise OSError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise OSError(f"cannot reach {url}: {e.reason}") from None
     if not models:
         raise OSError(f"{base_url}/v1/models lists no model")
     return models[0]["id"]

@@ -31,3 +31,18 @@ def test_serving_result_keys_and_values():
         assert label in text, label
     with pytest.raises(ValueError, match="no request completed"):
         serving_result([], failed, [], 1)
+
+
+def test_unreachable_or_malformed_base_url_is_named():
+    """`bench serving`'s first request: a refused connection or a base URL that is not one fails as an OSError
+    naming the URL (the CLI prints it and exits 1), not a bare urllib message."""
+    import socket
+
+    from dsflash.serve.bench.serving import server_model
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError, match=rf"cannot reach http://127.0.0.1:{port}/v1/models: .*refused"):
+        server_model(f"http://127.0.0.1:{port}", None, timeout=5)
+    with pytest.raises(OSError, match=r"notaurl/v1/models: .*--base-url takes http://HOST:PORT"):
+        server_model("notaurl", None)
