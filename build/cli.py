@@ -60,6 +60,9 @@ def dry_run(args, mapping: Mapping, arch: str, as_json: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        for flag, v in (("--tp", a.tp), ("--moe-ep", a.moe_ep), ("--moe-tp", a.moe_tp)):
+            if v is not None and v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
         mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.moe_ep, moe_tp_size=a.moe_tp)
         cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype,
                           a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype,

@@ -75,3 +75,12 @@ def test_synth_refuses_a_full_size_checkpoint_without_force(tmp_path):
     from dsflash.convert.synth import main as synth_main
     assert synth_main(["--family", "v41", "--preset", "full", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags,needle", [(["--tp", "0"], "--tp must be >= 1, got 0"),
+                                          (["--moe-ep", "0"], "--moe-ep must be >= 1, got 0"),
+                                          (["--tp", "8", "--moe-tp", "-1"], "--moe-tp must be >= 1, got -1")])
+def test_build_refuses_non_positive_parallel_sizes(flags, needle, capsys):
+    from dsflash.build.cli import main as build_main
+    assert build_main(["--preset", "v41/full", "--arch", "sm90", "--dry-run", *flags]) == 2
+    assert needle in capsys.readouterr().err
