@@ -52,6 +52,23 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
+def _refuse_dsflash_outputs(path: Path) -> None:
+    """A `dsflash convert` output or an engine dir passed where a Hugging Face checkpoint belongs: say what it is and
+    which command takes it (its config.json would otherwise fail as an HF config with a misleading field error)."""
+    if (path / "engine.json").is_file():
+        raise CheckpointError(f"{path}: a dsflash engine directory, not a Hugging Face checkpoint "
+                              f"(`dsflash generate/serve --engine {path}` run it)")
+    cfg = path / "config.json"
+    try:
+        meta = json.loads(cfg.read_text()) if cfg.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return   # load_args reports it
+    if isinstance(meta, dict) and "dsflash" in meta:
+        layout = (meta["dsflash"] or {}).get("layout", "?") if isinstance(meta["dsflash"], dict) else "?"
+        raise CheckpointError(f"{path}: a `dsflash convert` output (layout {layout}), not a Hugging Face checkpoint "
+                              f"(`dsflash build --ckpt {path}` takes it)")
+
+
 class HFCheckpoint:
     """A checkpoint directory: config, shard index and lazily opened shards."""
 
@@ -59,6 +76,7 @@ class HFCheckpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: checkpoint directory not found")
+        _refuse_dsflash_outputs(self.path)
         try:
             self.args: ModelArgs = load_args(self.path, family)
         except ConfigError as e:

@@ -318,6 +318,8 @@ def load_args(src: str | Path | dict, family: str | None = None) -> ModelArgs:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e})") from None
+        if isinstance(cfg, dict) and "dsflash" in cfg and isinstance(cfg.get("model"), dict):
+            cfg = cfg["model"]   # a `dsflash convert` output keeps the HF config under "model"
         args = args_from_hf_dict(cfg, where)
     if family is not None and args.family != family:
         raise ConfigError(f"{where}: checkpoint is family '{args.family}', expected '{family}'")

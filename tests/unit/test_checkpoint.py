@@ -127,3 +127,21 @@ def test_bad_config_field(tmp_path):
     with pytest.raises(CheckpointError, match=rf"^{where} \(text_config\): field 'compress_ratios'\[3\] = 4: "
                                               r"V4.1 supports 0, 1 and 2"):
         HFCheckpoint(tmp_path / "c")
+
+
+def test_dsflash_outputs_are_not_taken_for_hf_checkpoints(tmp_path):
+    """A convert output or an engine dir given where an HF checkpoint belongs is named for what it is (its
+    config.json would otherwise fail with a misleading 'model_type is None'); load_args still reads a convert
+    output's model config (prepare-dataset --tokenizer CKPT)."""
+    from dsflash.model_def.config import load_args
+    write_ckpt(tmp_path / "c")
+    hf_cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({"dsflash": {"layout": "hopper"}, "model": hf_cfg}))
+    with pytest.raises(CheckpointError, match=r"a `dsflash convert` output \(layout hopper\), not a Hugging Face "
+                                              r"checkpoint \(`dsflash build --ckpt"):
+        HFCheckpoint(tmp_path / "c")
+    assert load_args(tmp_path / "c").hidden_size == hf_cfg["text_config"]["hidden_size"]
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "engine.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="a dsflash engine directory, not a Hugging Face checkpoint"):
+        HFCheckpoint(tmp_path / "e")
