@@ -24,7 +24,6 @@ from dsflash.plugins.bench import GEMM_SHAPES
 from dsflash.plugins.timing import graph_time_many, input_sets
 
 DEV = "cuda"
-E4M3_MAX = 448.0
 
 
 def _codes(x: torch.Tensor, groups: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +32,7 @@ def _codes(x: torch.Tensor, groups: tuple[int, int]) -> tuple[torch.Tensor, torc
     r, c = x.shape
     gr, gc = groups[0] or r, groups[1] or c
     blocks = x.view(r // gr, gr, c // gc, gc)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / refs.FP8_MAX
     q = (blocks / scale).to(torch.float8_e4m3fn).view(r, c)
     return q, scale.view(r // gr, c // gc).float()
 

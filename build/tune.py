@@ -416,7 +416,7 @@ def tune(engine: dict, arch: str, ops: list[TunableOp] | None = None) -> dict:
         versions["triton"] = triton.__version__
     except ImportError:
         pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu:{platform.processor() or 'x86_64'}"
+    gpu = _this_gpu() or f"cpu:{platform.processor() or 'x86_64'}"
     return {"version": 1, "arch": arch, "gpu": gpu, "versions": versions, "entries": entries, "skipped": skipped}
 
 

@@ -64,7 +64,8 @@ def _refuse_dsflash_outputs(path: Path) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return   # load_args reports it
     if isinstance(meta, dict) and "dsflash" in meta:
-        layout = (meta["dsflash"] or {}).get("layout", "?") if isinstance(meta["dsflash"], dict) else "?"
+        info = meta["dsflash"]
+        layout = info.get("layout", "?") if isinstance(info, dict) else "?"
         raise CheckpointError(f"{path}: a `dsflash convert` output (layout {layout}), not a Hugging Face checkpoint "
                               f"(`dsflash build --ckpt {path}` takes it)")
 

@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A config.json that does not describe a model this toolchain supports."""
 
 
+# The file a model-args dataclass names in its own validation errors; `_build` puts the real path in its place.
+POST_INIT_WHERE = "config.json"
+
+
 def _require(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
@@ -151,7 +155,7 @@ class V4Args(_CommonArgs):
     default_block = 128
 
     def __post_init__(self) -> None:
-        where = "config.json"
+        where = POST_INIT_WHERE
         self._validate_common(where)
         for i, r in enumerate(self.compress_ratios):
             _require(r in (0, 4, 128), where, f"field 'compress_ratios'[{i}] = {r}: V4 supports 0, 4 and 128")
@@ -205,7 +209,7 @@ class V41Args(_CommonArgs):
     default_block = 32
 
     def __post_init__(self) -> None:
-        where = "config.json (text_config)"
+        where = f"{POST_INIT_WHERE} (text_config)"
         self._validate_common(where)
         L = self.num_hidden_layers
         for i, r in enumerate(self.compress_ratios):
@@ -283,7 +287,9 @@ def _build(cls, cfg: dict, where: str):
         raise ConfigError(f"{where}: {e}") from None
     except ConfigError as e:  # __post_init__ knows the section, not the file: name the file the config came from
         msg = str(e)
-        raise ConfigError(where + msg[len("config.json"):] if msg.startswith("config.json") else msg) from None
+        if msg.startswith(POST_INIT_WHERE):
+            msg = where + msg[len(POST_INIT_WHERE):]
+        raise ConfigError(msg) from None
 
 
 def args_from_hf_dict(cfg: dict, where: str = "config.json") -> ModelArgs:

@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine directory made by `dsflash build`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="HTTP port (OpenAI + KServe v2 + /metrics); 0 = any free")
-    p.add_argument("--grpc-port", type=_int_in(-1, 65535), default=8001, help="KServe v2 gRPC port; 0 = any free, -1 = no gRPC")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000,
+                   help="HTTP port (OpenAI + KServe v2 + /metrics); 0 = any free")
+    p.add_argument("--grpc-port", type=_int_in(-1, 65535), default=8001,
+                   help="KServe v2 gRPC port; 0 = any free, -1 = no gRPC")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (env DSFLASH_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: engine dir name)")
     p.add_argument("--max-prompt-len", type=int, default=None, help="prompt tokens (default: max_seq_len - 1)")

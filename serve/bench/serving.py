@@ -12,7 +12,6 @@ import json
 import threading
 import time
 import urllib.error
-import urllib.error
 import urllib.request
 from collections import deque
 
