@@ -273,7 +273,7 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("gemm_qkv_a", n + ".wqkv_a", m, (a[0].detach().clone(),))))
         if isinstance(mod, ATTENTIONS) and mod.fused_wo_a:
-            mod._output = _capturing(mod, mod._output, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
+            mod._project = _capturing(mod, mod._project, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
     try:
         with torch.no_grad():
             model.logits(input_ids)
@@ -281,8 +281,8 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         for h in hooks:
             h.remove()
         for mod in model.modules():
-            if isinstance(mod, ATTENTIONS) and "_output" in mod.__dict__:
-                del mod._output
+            if isinstance(mod, ATTENTIONS) and "_project" in mod.__dict__:
+                del mod._project
     return [{"site": name, "kind": kind, "rel": _replay(kind, mod, payload)} for kind, name, mod, payload in captured]
 
 
@@ -322,9 +322,9 @@ class _PassThrough(torch.nn.Module):
         return torch.zeros_like(x) if self.zero else x
 
 
-# nested sites neutralised per replayed kind (their names, and whether they contribute 0): the FFN (and for V4, whose
-# replay runs the whole block, the attention) inside a block, wo_b after WO-A, the shared expert in the MoE
-_NESTED = {"mhc": (("ffn",), False), "mhc_v4": (("attn", "ffn"), False), "wo_a": (("wo_b",), False),
+# nested sites neutralised per replayed kind (their names, and whether they contribute 0): the FFN inside a block
+# (whose replay attends with the identity), wo_b after WO-A, the shared expert in the MoE
+_NESTED = {"mhc": (("ffn",), False), "mhc_v4": (("ffn",), False), "wo_a": (("wo_b",), False),
            "moe": (("shared_experts",), True), "moe_v4": (("shared_experts",), True)}
 
 
@@ -362,11 +362,11 @@ def _replay(kind: str, mod, payload) -> float:
                 return max(_rel(got[0], want[0]), _rel(got[1], want[1]))
             if kind == "mhc_v4":
                 X, ids = payload
-                return _rel(mod(X, ids, 0, {}), ref(X.float(), ids, 0, {}))
+                return _rel(mod(X, ids, lambda x: x), ref(X.float(), ids, lambda x: x))
             if kind == "moe_v4":
                 X, ids = payload
                 return _rel(mod(X, ids), ref(X.float(), ids))
-            return _rel(mod._output(*payload), ref._output(*(_f32(t) for t in payload)))
+            return _rel(mod._project(*payload), ref._project(*(_f32(t) for t in payload)))
     finally:
         if nested:
             for name, m in saved.items():

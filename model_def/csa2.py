@@ -22,6 +22,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, N
                                       apply_rope, local_slice, norm_pair, rope_inv_freq, sink_attention,
                                       stacked_or_each, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
+from dsflash.model_def.ragged import Ragged
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
 COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
@@ -245,24 +246,31 @@ class Attention(nn.Module):
         return fake_quant_fp8(apply_rope(kvn, positions, inv), WINDOW_KV_BLOCK)
 
     def _output(self, q, keys, allowed, positions, inv):
-        o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
-        if self.fused_wo_a:   # inverse RoPE + grouped projection in one kernel
-            b, s = o.shape[:2]
-            cos, sin = dispatch.rope_cos_sin(positions.expand(b, s), inv)
-            z = dispatch.ops().wo_a(o.reshape(b * s, *o.shape[2:]).to(torch.bfloat16).contiguous(), cos, sin,
-                                    self.wo_a.weight)
-            return self.wo_b(z.view(b, s, -1).to(o.dtype))
+        return self._project(sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5), positions, inv)
+
+    def _project(self, o, positions, inv):
+        """Attention output o [B,S,h,d] -> [B,S,D]: inverse RoPE at the query positions, `wo_a`, `wo_b`."""
+        if self.fused_wo_a:   # inverse RoPE + grouped projection in one kernel (the WO-A plugin)
+            return self.wo_b(dispatch.wo_a_inverse_rope(o, positions, inv, self.wo_a.weight))
         o = apply_rope(o, positions, inv, inverse=True)  # V carried RoPE: undo the query's rotation
         return self.wo_b(self.wo_a(o.flatten(-2).unflatten(-1, (self.g_local, -1))))
 
-    # -- target model: one chunk of S new tokens -----------------------------------------------------------------
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        """x [B,S,D] (after attn_norm) -> [B,S,D]. `ctx` carries positions, the request state and per-forward
-        selections (`ChunkContext` in v41.py); the window rows and the source caches are updated in place."""
-        b, s, _ = x.shape
-        pos, p0 = ctx.positions, ctx.start
+    # -- target model: the chunks of one forward -----------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctxs: list, rag: Ragged) -> torch.Tensor:
+        """x [1,T,D] (after attn_norm; `rag` lays the chunks out) -> [1,T,D]. ctxs[i] (`ChunkContext` in v41.py)
+        carries chunk i's positions, request state and per-forward selections; the projections run once over all
+        T rows, the attention over each request's window and caches (updated in place) chunk by chunk."""
+        pos = rag.join([c.positions for c in ctxs])
         inv = layer_inv_freq(self.args, self.layer, x.device)
         q_res, q, kv = self._query_kv(x, pos, inv)
+        parts = zip(ctxs, *(rag.split(t) for t in (x, q_res, q, kv)))
+        o = rag.join([self._attend_chunk(*p, inv) for p in parts])
+        return self._project(o, pos, inv)
+
+    def _attend_chunk(self, ctx, x, q_res, q, kv, inv) -> torch.Tensor:
+        """One chunk [B,S] of a request batch at ctx.start: its window and source caches -> attention out [B,S,h,d]."""
+        b, s, _ = x.shape
+        pos, p0 = ctx.positions, ctx.start
         old = ctx.state.window[self.layer]
         keys = torch.cat([old.to(kv.dtype), kv], 1)
         kpos = torch.arange(p0 - old.shape[1], p0 + s, device=x.device)
@@ -278,7 +286,7 @@ class Attention(nn.Module):
             sel = ctx.selections[self.index_source]
             keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
             allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
-        return self._output(q, keys, allowed, pos, inv)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
 
     def _compress(self, x: torch.Tensor, cache: SourceCache, inv: torch.Tensor) -> None:
         first = cache.count

@@ -23,6 +23,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
+from dsflash.model_def.ragged import Chunk, Ragged
 
 KV_QUANT_BLOCK = 64      # FP8 scale block of window / compressed KV nope channels
 INDEX_QUANT_BLOCK = 32   # FP4 scale block of indexer keys / queries
@@ -289,7 +290,7 @@ class Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(H * d // g, g * ol, numerics, mapping, "fp8", dtype=dtype)
         self.wo_b = RowParallelLinear(g * ol, D, numerics, mapping, comm, "fp8", dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
-        self.fused_wo_a = False   # set by an engine loader: `_output` runs the WO-A plugin
+        self.fused_wo_a = False   # set by an engine loader: `_project` runs the WO-A plugin
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
         self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
         self.compressor = Compressor(args, self.ratio, d, numerics, "kv", dtype) if self.ratio else None
@@ -307,17 +308,28 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
-    def forward(self, x: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunks: list[tuple[int, dict]], rag: Ragged) -> torch.Tensor:
+        """x [1,T,D] (`rag` lays out the chunks; chunks[i] = (first position, layer state) of chunk i) -> [1,T,D].
+        The projections run once over all T rows, the window / compressed attention chunk by chunk."""
+        f, dev = self.inv_freq, x.device
+        pos = rag.join([(p0 + torch.arange(s, device=dev)).expand(b, s) for (p0, _), (b, s) in
+                        zip(chunks, rag.shapes)])                                      # [1,T]
+        qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
+        qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [1,T,h,d]
+        q = apply_rope(rms_norm(q, self.eps).to(q.dtype), pos, f)  # per-head RMS, no weight
+        kv = apply_rope(kvn, pos, f)  # [1,T,d]
+        if self.numerics.deploy:
+            kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
+        parts = zip(chunks, *(rag.split(t) for t in (x, qr, q, kv)))
+        o = rag.join([self._attend_chunk(p0, st, *rest) for (p0, st), *rest in parts])
+        return self._project(o, pos, f)
+
+    def _attend_chunk(self, pos0: int, st: dict, x, qr, q, kv) -> torch.Tensor:
+        """One chunk [B,S] at pos0 against its window ring and compressed caches -> attention out [B,S,h,d]."""
         B, S, _ = x.shape
         W, f, dev = self.window, self.inv_freq, x.device
         pos = pos0 + torch.arange(S, device=dev)
-        qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
-        qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,h,d]
-        q = apply_rope(rms_norm(q, self.eps).to(q.dtype), pos.expand(B, S), f)  # per-head RMS, no weight
-        kv = apply_rope(kvn, pos.expand(B, S), f)  # [B,S,d]
-        if self.numerics.deploy:
-            kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
         # window keys: the ring (positions < pos0, slot = pos % W) then the new rows
         slot = torch.arange(W, device=dev)
         ring_pos = (pos0 - 1) - (pos0 - 1 - slot) % W  # latest position held by each slot (< 0: empty)
@@ -338,17 +350,12 @@ class Attention(nn.Module):
                 sel = (torch.arange(T, device=dev) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
             keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
             allowed = torch.cat([allowed, sel], -1)
-        return self._output(q, keys, allowed, pos.expand(B, S), f)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
 
-    def _output(self, q, keys, allowed, positions, inv):
-        """Sink attention, inverse RoPE at the query positions [B,S], the grouped `wo_a` and `wo_b` -> [B,S,D]."""
-        o = sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)  # [B,S,h,d]
+    def _project(self, o, positions, inv):
+        """Attention output o [B,S,h,d] -> [B,S,D]: inverse RoPE at the query positions, `wo_a`, `wo_b`."""
         if self.fused_wo_a:   # inverse RoPE + grouped projection in one kernel (the WO-A plugin)
-            b, s = o.shape[:2]
-            cos, sin = dispatch.rope_cos_sin(positions, inv)
-            z = dispatch.ops().wo_a(o.reshape(b * s, *o.shape[2:]).to(torch.bfloat16).contiguous(), cos, sin,
-                                    self.wo_a.weight)
-            return self.wo_b(z.view(b, s, -1).to(o.dtype))
+            return self.wo_b(dispatch.wo_a_inverse_rope(o, positions, inv, self.wo_a.weight))
         o = apply_rope(o, positions, inv, inverse=True)
         o = o.flatten(2).unflatten(-1, (self.n_groups, -1))  # [B,S,g,h/g*d]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
@@ -454,16 +461,16 @@ class Block(nn.Module):
         return hc_mix(X.flatten(-2), getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), self.n, self.iters, self.hc_eps, self.eps)
 
-    def forward(self, X: torch.Tensor, ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
-        # X: [B,S,n,D]
+    def forward(self, X: torch.Tensor, ids: torch.Tensor, attend) -> torch.Tensor:
+        """X [B,S,n,D], ids [B,S] (hash routing) -> X'. `attend(x [B,S,D]) -> [B,S,D]` runs the attention."""
         if self.hc_plugin is not None:
-            return self._forward_fused_hc(X, ids, pos0, st)
+            return self._forward_fused_hc(X, ids, attend)
         pre, post, comb = self._hc(X, "attn")
-        X = hc_expand(X, self.attn(self.attn_norm(hc_collapse(X, pre)), pos0, st), post, comb)
+        X = hc_expand(X, attend(self.attn_norm(hc_collapse(X, pre))), post, comb)
         pre, post, comb = self._hc(X, "ffn")
         return hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids), post, comb)
 
-    def _forward_fused_hc(self, X: torch.Tensor, ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+    def _forward_fused_hc(self, X: torch.Tensor, ids: torch.Tensor, attend) -> torch.Tensor:
         """The same block with the mHC plugin's kernels: per site the coefficients, the collapse + norm, and the
         expand. V4's sites use their own `pre` (no lag), computed from the streams the previous expand wrote, so
         neither the next collapse fuses into the expand nor the coefficients move off the critical path (V4.1's
@@ -471,7 +478,7 @@ class Block(nn.Module):
         op, hc = dispatch.ops(), self.hc_plugin
         b, s, n, d = X.shape
         Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
-        for site, norm, run in (("attn", self.attn_norm, lambda x: self.attn(x, pos0, st)),
+        for site, norm, run in (("attn", self.attn_norm, attend),
                                 ("ffn", self.ffn_norm, lambda x: self.ffn(x, ids))):
             pre, post, comb = op.hc_mix(Xf.view(b * s, n * d), getattr(self, f"hc_{site}_fn"),
                                         getattr(hc, f"{site}_split"), getattr(self, f"hc_{site}_base"),
@@ -510,12 +517,18 @@ class MTPBlock(Block):
         self._shared = shared  # (embed, head) of the main model; a tuple, so not registered as submodules
 
     def forward(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
+        return self.draft(X_main, next_ids, pos0, st)[0]
+
+    def draft(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int,
+              st: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (draft logits [B,S,V] fp32, the block's output streams [B,S,n,D]); a chained draft feeds them back."""
         embed, head = self._shared
         e = self.enorm(embed(next_ids))
         X = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(X_main))  # [B,S,n,D]
-        X = super().forward(X, next_ids, pos0, st)
+        rag = Ragged([tuple(next_ids.shape)])
+        X = super().forward(X, next_ids, lambda x: rag.split(self.attn(rag.join([x]), [(pos0, st)], rag))[0])
         x = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.eps))
-        return head(x).float()
+        return head(x).float(), X
 
 
 class DeepseekV4Model(nn.Module):
@@ -547,11 +560,28 @@ class DeepseekV4Model(nn.Module):
     @torch.no_grad()
     def streams(self, input_ids: torch.Tensor, state: V4State) -> torch.Tensor:
         """Run new tokens through the main layers; returns the final streams X [B,S,n,D] (before hc_head)."""
-        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
-        for blk, st in zip(self.layers, state.layers):
-            X = blk(X, input_ids, state.pos, st)
-        state.pos += input_ids.shape[1]
-        return X
+        rag, X = self._streams([Chunk(input_ids, state)])
+        return rag.split(X)[0]
+
+    @torch.no_grad()
+    def step_chunks(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One forward over several requests' chunks (each its own state and position, see ragged.py) -> the
+        logits of each chunk's last position [B_i, V] fp32; every state advances by its chunk."""
+        rag, X = self._streams(chunks)
+        last = rag.last_rows(X.device)   # only the rows that are sampled from pay for the vocabulary head
+        return rag.split_rows(self.head_logits(X[:, last])[0])
+
+    def _streams(self, chunks: list[Chunk]) -> tuple[Ragged, torch.Tensor]:
+        """-> (the chunks' layout, final streams [1,T,n,D])."""
+        rag = Ragged([c.ids.shape for c in chunks])
+        ids = rag.join([c.ids for c in chunks])                                 # [1,T]
+        X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+        for i, blk in enumerate(self.layers):
+            at = [(c.state.pos, c.state.layers[i]) for c in chunks]
+            X = blk(X, ids, lambda x, blk=blk, at=at: blk.attn(x, at, rag))
+        for c in chunks:
+            c.state.pos += c.ids.shape[1]
+        return rag, X
 
     def head_logits(self, X: torch.Tensor) -> torch.Tensor:
         x = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args.hc_eps,

@@ -27,6 +27,7 @@ from dsflash.model_def.csa2 import Attention, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, wide)
 from dsflash.model_def.names import TensorEntry
+from dsflash.model_def.ragged import Chunk, Ragged
 
 ROUTER_NORM_EPS = 1e-20  # `+1e-20` on the routing-weight sum (a literal, not rms_norm_eps)
 
@@ -376,29 +377,49 @@ class DeepseekV41Model(nn.Module):
     def forward_step(self, input_ids: torch.Tensor, state: V41State,
                      image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`step` with autograd left on (convert/synth_train.py fits synthetic checkpoints through it)."""
+        return self._forward([Chunk(input_ids, state, image_mask)], last_only=False)[0]
+
+    @torch.no_grad()
+    def step_chunks(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One forward over several requests' chunks (each its own state and position, see ragged.py) -> the
+        logits of each chunk's last position [B_i, V] fp32; every state advances by its chunk."""
+        return self._forward(chunks, last_only=True)
+
+    def _forward(self, chunks: list[Chunk], last_only: bool) -> list[torch.Tensor]:
         a = self.args
-        b, s = input_ids.shape
-        dev = input_ids.device
-        positions = (state.pos + torch.arange(s, device=dev)).expand(b, -1)
-        ctx = ChunkContext(state, state.pos, positions)
-        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)
-        pre = one_hot_pre((b, s), a.hc_mult, dev)
+        rag = Ragged([c.ids.shape for c in chunks])
+        dev = chunks[0].ids.device
+        ids = rag.join([c.ids for c in chunks])                                    # [1, T]
+        ctxs = [ChunkContext(c.state, c.state.pos, (c.state.pos + torch.arange(c.ids.shape[1], device=dev))
+                             .expand(c.ids.shape[0], -1)) for c in chunks]
+        image_mask = None
+        if any(c.image_mask is not None for c in chunks):
+            image_mask = rag.join([torch.zeros_like(c.ids, dtype=torch.bool) if c.image_mask is None
+                                   else c.image_mask for c in chunks])
+        X = self.embed(ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)            # [1, T, hc, D]
+        pre = one_hot_pre((1, rag.total), a.hc_mult, dev)
         captures = {}
         for block in self.layers:
             if block.engram is not None:
-                rows = engram.engram_hash_ids(input_ids, self.engram_lookup(), image_mask, a, block.layer,
-                                              state.engram_history)
+                rows = rag.join([engram.engram_hash_ids(c.ids, self.engram_lookup(), c.image_mask, a, block.layer,
+                                                        c.state.engram_history) for c in chunks])
                 X = block.engram(X, rows, None if image_mask is None else ~image_mask)
             if block.layer in a.dspark_target_layer_ids:
                 captures[block.layer] = wide(X).mean(-2)   # layer-entry streams after Engram, averaged
-            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctx), image_mask)
-        if state.engram_history is not None:
-            comp = engram.engram_compress_ids(input_ids, self.engram_lookup(), image_mask)
-            state.engram_history = engram.engram_history_update(state.engram_history, comp)
-        state.capture = torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1) if captures else None
-        state.pos += s
-        x = self.norm(hc_collapse(X, pre))
-        return F.linear(wide(x), wide(self.head.weight))
+            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctxs, rag), image_mask)
+        capture = (rag.split(torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1)) if captures
+                   else [None] * len(chunks))
+        for c, cap in zip(chunks, capture):
+            if c.state.engram_history is not None:
+                comp = engram.engram_compress_ids(c.ids, self.engram_lookup(), c.image_mask)
+                c.state.engram_history = engram.engram_history_update(c.state.engram_history, comp)
+            c.state.capture = cap
+            c.state.pos += c.ids.shape[1]
+        if last_only:   # only the rows that are sampled from pay for the vocabulary head
+            last = rag.last_rows(dev)
+            X, pre = X[:, last], pre[:, last]
+        logits = F.linear(wide(self.norm(hc_collapse(X, pre))), wide(self.head.weight))
+        return rag.split_rows(logits[0]) if last_only else rag.split(logits)
 
     def logits(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full causal forward of [B,S] from an empty cache -> [B,S,V] fp32."""

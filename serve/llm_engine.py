@@ -46,13 +46,15 @@ class LLMEngine:
     `speculative`: a SpecConfig (single-rank engines); `wrap_drafter(drafter, seq) -> drafter` lets tests substitute
     a request's draft proposals. `simulate_rank`: run that rank of a multi-rank engine alone in this process (the
     TP-rank simulation: its all-reduces are counted local no-ops, each calling `comm_wait(nbytes)` when given), so
-    its outputs are not the model's; `self.comm` holds the counts (rank 0's on a real multi-rank engine)."""
+    its outputs are not the model's; `self.comm` holds the counts (rank 0's on a real multi-rank engine).
+    `batch_invariant`: run each request's segment in its own forward (runtime/model_runner.py), not all of a
+    step's segments in one."""
 
     def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
                  kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, max_seq_len: int | None = None, block_size: int = 64,
                  model=None, speculative=None, wrap_drafter=None, simulate_rank: int | None = None,
-                 comm_wait=None):
+                 comm_wait=None, batch_invariant: bool = False):
         if speculative is not None:
             from dsflash.build.engine import open_engine
             n = open_engine(engine_dir).world_size
@@ -73,9 +75,11 @@ class LLMEngine:
                 from dsflash.build.engine import open_engine
                 speculative.validate(open_engine(engine_dir).args)   # fail before loading the weights
             self.runner = ModelRunner(engine_dir, rank, comm, model=model, control=self._control,
-                                      speculative=speculative, wrap_drafter=wrap_drafter)
+                                      speculative=speculative, wrap_drafter=wrap_drafter,
+                                      batch_invariant=batch_invariant)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
-            cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction}
+            cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction,
+                   "batch_invariant": batch_invariant}
             capacity = self._control.agree_capacity(cfg, local) if self._control else local
         except Exception as e:
             if self.world > 1:

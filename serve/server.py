@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None, help="lower the engine's max_batch_size")
     p.add_argument("--max-num-tokens", type=int, default=None, help="lower the engine's max_num_tokens")
     p.add_argument("--max-seq-len", type=int, default=None, help="lower the engine's max_seq_len")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run each request's step in a forward of its own: outputs never depend on the other requests "
+                        "in flight (slower; default: one forward per step for all requests)")
     p.add_argument("--drain-timeout", type=_seconds, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -229,7 +232,7 @@ class Server:
             raise ValueError(f"--kv-cache-free-gpu-memory-fraction must be in (0, 1], got {fraction}")
         core = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, kv_cache_free_gpu_memory_fraction=fraction,
                          max_queue=a.max_queue, max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
-                         max_seq_len=a.max_seq_len, speculative=speculative)
+                         max_seq_len=a.max_seq_len, speculative=speculative, batch_invariant=a.batch_invariant)
         if speculative is not None:
             sim = (f", SIMULATED acceptance length {speculative.simulate_acceptance_length}"
                    if speculative.simulate_acceptance_length is not None else "")

@@ -138,15 +138,11 @@ class MTPDrafter:
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None   # (logits [B,V], streams [B,1,n,D]) of row N−1
 
     def _forward(self, X_main: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`MTPBlock.forward` (v4.py, architecture.md §2.11), also returning the block's output streams."""
-        from dsflash.model_def.v4 import Block, hc_head
-        blk, st = self.model.mtp[self.j], self.state
-        embed, head = blk._shared
-        X = blk.e_proj(blk.enorm(embed(next_ids))).unsqueeze(2) + blk.h_proj(blk.hnorm(X_main))   # [B,S,n,D]
-        X = Block.forward(blk, X, next_ids, st.mtp_pos[self.j], st.mtp[self.j])
+        """`MTPBlock.draft` (v4.py, architecture.md §2.11): logits and the block's output streams."""
+        st = self.state
+        out = self.model.mtp[self.j].draft(X_main, next_ids, st.mtp_pos[self.j], st.mtp[self.j])
         st.mtp_pos[self.j] += next_ids.shape[1]
-        x = blk.norm(hc_head(X, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.hc_eps, blk.eps))
-        return head(x).float(), X
+        return out
 
     @torch.no_grad()
     def commit(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--max-num-tokens", "--max_num_tokens", type=int, default=None)
         r.add_argument("--max-seq-len", "--max_seq_len", type=int, default=None,
                        help="limits: lower the engine's (dummy engines: build with these; defaults 64, 8192, 8192)")
+        r.add_argument("--batch-invariant", action="store_true",
+                       help="one forward per request and step (as `dsflash serve --batch-invariant`)")
         kv = r.add_mutually_exclusive_group()
         kv.add_argument("--kv-cache-free-gpu-mem-fraction", "--kv_cache_free_gpu_mem_fraction", type=float,
                         default=0.9, help="KV-cache pool as a fraction of free device memory (default 0.9)")
@@ -304,7 +306,7 @@ def _run_rank0(a: argparse.Namespace, eng, reqs: list, levels: list[int], stream
         engine = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, max_batch_size=a.max_batch_size,
                            max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len, max_queue=1 << 20,
                            kv_cache_free_gpu_memory_fraction=a.kv_cache_free_gpu_mem_fraction, speculative=spec,
-                           simulate_rank=a.simulate_rank, comm_wait=wait)
+                           simulate_rank=a.simulate_rank, comm_wait=wait, batch_invariant=a.batch_invariant)
         reports, rows, records_out, any_failed = [], [], [], False
         for c in levels:
             warm_up(engine, reqs, a.warmup, c, a.eos_id)

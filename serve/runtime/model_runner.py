@@ -1,18 +1,23 @@
-"""Model runner: loads the rank's model from the engine dir and runs a step's segments through `model.step`.
+"""Model runner: loads the rank's model from the engine dir and runs a step's segments.
 
-The reference runner calls `model.step(ids [1,S], state)` once per scheduled segment, each request with its own
-model state (`model.new_state(1)`): a request's tokens are computed exactly as they would be alone (batch
-invariance by construction). GPU engines run through this same runner (their plugin kernels bound in the model); a
-batched GPU runner with CUDA graphs over the block manager's pages does not exist yet (README, "Not yet").
+Each request owns a batch-1 model state (`model.new_state(1)`). By default a step's segments (prompt chunks and
+decode tokens of different requests, each at its own position) run as one forward (`model.step_chunks`, the
+ragged layout of model_def/ragged.py): the linears, mHC, MoE and head read their weights once for all the step's
+tokens, and only the attention walks each request's own caches. A token's arithmetic then depends on how many rows
+share its GEMMs (the kernels and their summation order follow the row count), so its output can differ in the last
+bits with its neighbours. `batch_invariant=True` runs each segment in a forward of its own instead: a request's
+tokens are computed exactly as they would be alone, whatever else is scheduled (SGLang's deterministic inference;
+slower). GPU engines run through this same runner (their plugin kernels bound in the model); CUDA graphs over the
+block manager's pages do not exist yet (README, "Not yet").
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
-every rank makes the same `step` calls in the same order (the TP all-reduces inside the model pair up).
+every rank makes the same forwards in the same order (the TP all-reduces inside the model pair up).
 
 Speculative engines (single rank, `speculative=SpecConfig`): each request owns a batch-1 `SpeculativeDecoder`
-(serve/spec_decode.py) whose state is the request's model state. Prompt / recompute segments run the target
-forward that also yields the drafter's inputs and commit them to the drafter (the last segment's rows wait for the
-sampled token: `finish_prefill`); a decode segment is one draft + verify + accept + rollback iteration that
-returns several tokens (`SpecStep`).
+(serve/spec_decode.py) whose state is the request's model state; its segments run one by one. Prompt / recompute
+segments run the target forward that also yields the drafter's inputs and commit them to the drafter (the last
+segment's rows wait for the sampled token: `finish_prefill`); a decode segment is one draft + verify + accept +
+rollback iteration that returns several tokens (`SpecStep`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import dataclasses
 from dataclasses import dataclass
 
+from dsflash.model_def.ragged import Chunk
 from dsflash.serve.runtime.sampling import SamplingParams, mask_top_k_top_p
 from dsflash.serve.runtime.scheduler import Batch, Segment
 from dsflash.serve.runtime.sequence import Sequence
@@ -38,7 +44,7 @@ class SpecStep:
 
 class ModelRunner:
     def __init__(self, engine_dir: str, rank: int = 0, comm=None, model=None, control=None, speculative=None,
-                 wrap_drafter=None):
+                 wrap_drafter=None, batch_invariant: bool = False):
         from dsflash.build.engine import load_engine_model, open_engine
         eng = open_engine(engine_dir)
         self.device = "cpu" if eng.meta["arch"] == "cpu" else f"cuda:{torch.cuda.current_device()}"
@@ -48,12 +54,7 @@ class ModelRunner:
         self.args = eng.args
         self.spec = speculative       # SpecConfig | None
         self.wrap_drafter = wrap_drafter   # (drafter, seq) -> drafter: tests substitute proposals
-
-    def forward(self, state, ids: list[int]) -> torch.Tensor:
-        """Feed ids to one request's state; -> logits of the last position [V] fp32."""
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        with torch.no_grad():
-            return self.model.step(x, state)[0, -1].float()
+        self.batch_invariant = batch_invariant
 
     def run(self, batch: Batch, released: list[str]) -> dict[Sequence, torch.Tensor]:
         """Run every segment (after telling the workers, and which requests' states to drop); returns the
@@ -61,15 +62,17 @@ class ModelRunner:
         if self.control is not None:
             self.control.send_step(released, [(s.seq.request_id, s.ids, s.reset) for s in batch.segments])
         out = {}
-        for seg in batch.segments:
-            if self.spec is not None:
+        if self.spec is not None:
+            for seg in batch.segments:
                 res = self._run_spec(seg)
                 if res is not None:
                     out[seg.seq] = res
-                continue
+            return out
+        for seg in batch.segments:
             if seg.reset:
                 seg.seq.state = self.model.new_state(1)
-            logits = self.forward(seg.seq.state, seg.ids)
+        work = [(seg.seq.state, seg.ids) for seg in batch.segments]
+        for seg, logits in zip(batch.segments, run_segments(self.model, self.device, work, self.batch_invariant)):
             seg.seq.num_computed = seg.end
             if seg.sample:
                 out[seg.seq] = logits
@@ -119,6 +122,31 @@ class ModelRunner:
         with torch.no_grad():
             seq.spec.drafter.commit(hidden, torch.tensor([ids + [token]], dtype=torch.long, device=self.device))
         seq.spec.bonus = torch.tensor([token], dtype=torch.long, device=self.device)
+
+
+def run_segments(model, device, work: list[tuple[object, list[int]]],
+                 batch_invariant: bool) -> list[torch.Tensor | None]:
+    """Advance each (batch-1 state, new token ids) by its tokens -> the logits [V] fp32 after each one's last token.
+
+    Fused: one forward over them all, where the consecutive segments of one state (a recomputation's prompt chunks
+    and generated tokens) join one chunk; an entry that a later entry of its state continues gets None.
+    batch_invariant: one forward per entry, the calls the request makes alone."""
+    if batch_invariant:
+        groups = [[i] for i in range(len(work))]
+    else:
+        by_state: dict[int, list[int]] = {}
+        for i, (state, _) in enumerate(work):
+            by_state.setdefault(id(state), []).append(i)
+        groups = [list(g) for g in by_state.values()]
+    chunks = [Chunk(torch.tensor([sum((work[i][1] for i in g), [])], dtype=torch.long, device=device), work[g[0]][0])
+              for g in groups]
+    out: list[torch.Tensor | None] = [None] * len(work)
+    calls = [[c] for c in chunks] if batch_invariant else [chunks] if chunks else []
+    with torch.no_grad():
+        logits = [row[0].float() for call in calls for row in model.step_chunks(call)]
+    for g, lg in zip(groups, logits):
+        out[g[-1]] = lg
+    return out
 
 
 def _masked_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

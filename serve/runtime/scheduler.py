@@ -9,7 +9,8 @@ num_draft_tokens drafts, all counted against the budget, pages for the whole ver
 pages back to the committed tokens after the step).
 
 Prompts are cut at fixed multiples of max_num_tokens and a chunk is never split to fill a budget, so the sequence
-of model calls a request sees never depends on its neighbours (batch invariance is exact). When a running request
+of segments a request sees never depends on its neighbours (with the runner's `batch_invariant`, its outputs are
+then exactly those it produces alone). When a running request
 cannot get a page, the newest running request is preempted (its pages freed, its model state dropped; it goes back
 to the head of the queue and later recomputes prompt + generated tokens with the same calls, so its output is
 unchanged); when it is itself the newest, it is the one preempted.

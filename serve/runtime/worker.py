@@ -78,7 +78,7 @@ def worker_loop(engine_dir: str) -> int:
     """Entry point of ranks > 0: load this rank's shard, then run rank 0's plans until shutdown."""
     from mpi4py import MPI
     from dsflash.serve.runtime.block_manager import kv_cache_capacity
-    from dsflash.serve.runtime.model_runner import ModelRunner
+    from dsflash.serve.runtime.model_runner import ModelRunner, run_segments
     rank = MPI.COMM_WORLD.Get_rank()
     try:
         rank, _, mpi, comm = connect(engine_dir)
@@ -92,12 +92,14 @@ def worker_loop(engine_dir: str) -> int:
                 break
             for rid in msg["free"]:
                 states.pop(rid, None)
+            work = []
             for rid, ids, reset in msg["run"]:
                 if reset:
                     states[rid] = runner.model.new_state(1)
                 elif rid not in states:
                     raise RuntimeError(f"plan continues request {rid!r}, but this rank holds no state for it")
-                runner.forward(states[rid], ids)
+                work.append((states[rid], ids))
+            run_segments(runner.model, runner.device, work, cfg["batch_invariant"])
     except Exception as e:  # noqa: BLE001 - any failure must stop the job, not hang rank 0 in a collective
         abort_job(rank, "worker failed", e)
         return 1

@@ -1,5 +1,10 @@
 """Serving runtime on tiny synthetic engines (CPU): reference equality, batch invariance, cache exhaustion,
-abort / async / drain, stop strings and logprobs, TP2 under mpirun."""
+abort / async / drain, stop strings and logprobs, TP2 under mpirun.
+
+Outputs are compared with those of each request alone in both step modes: `batch_invariant` (a forward per request,
+exact by construction, the engine's float32 model) and the default fused steps (one forward per step for all
+requests, whose GEMM row counts change a token's last bits with its neighbours; so its model runs in float64, where
+a last-bit difference flips a deploy-mode FP8/FP4 code in ~1e-9 of the cases: see tests/model/test_v4_decode.py)."""
 import asyncio
 import dataclasses
 import json
@@ -44,10 +49,19 @@ def built(family: str, tmp_path_factory) -> tuple[Path, Path, object]:
     return _built[family]
 
 
-def engine(family, tmp_path_factory, **kw) -> LLMEngine:
+_wide: dict = {}
+
+
+def engine(family, tmp_path_factory, mode: str = "fused", **kw) -> LLMEngine:
+    """mode "fused" (the default steps, the engine's float32 model), "isolated" (batch_invariant steps, float32) or
+    "fused64" (fused steps, a float64 model: comparisons across batch compositions)."""
     _, eng, model = built(family, tmp_path_factory)
+    if mode == "fused64":
+        if family not in _wide:
+            _wide[family] = load_engine_model(eng, dtype=torch.float64)[0]
+        model = _wide[family]
     kw.setdefault("kv_cache_bytes", 1 << 26)
-    return LLMEngine(str(eng), model=model, **kw)
+    return LLMEngine(str(eng), model=model, batch_invariant=mode == "isolated", **kw)
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -98,29 +112,31 @@ def test_greedy_matches_reference(family, tmp_path_factory):
 _alone: dict = {}
 
 
-def alone(family, tmp_path_factory) -> dict:
-    """Each request of the mixed set run by itself (max_num_tokens 24)."""
-    if family not in _alone:
-        eng = engine(family, tmp_path_factory, max_num_tokens=24)
-        _alone[family] = {}
+def alone(family, tmp_path_factory, mode: str) -> dict:
+    """Each request of the mixed set run by itself (max_num_tokens 24), in the model dtype of `mode`."""
+    if (family, mode) not in _alone:
+        eng = engine(family, tmp_path_factory, mode, max_num_tokens=24)
+        _alone[family, mode] = {}
         for r in requests(32 if family == "v41" else 12):
-            _alone[family].update(run(eng, [r]))
-    return _alone[family]
+            _alone[family, mode].update(run(eng, [r]))
+    return _alone[family, mode]
 
 
 @pytest.mark.slow
-def test_batch_invariance(family, tmp_path_factory):
+@pytest.mark.parametrize("mode", ["isolated", "fused64"])
+def test_batch_invariance(family, mode, tmp_path_factory):
     """32 (V4: 12) concurrent requests of mixed lengths and sampling settings, prompts up to 70 tokens (window 32,
     many ratio-2/4 groups, chunks of 24) produce exactly the tokens they produce alone."""
-    ref = alone(family, tmp_path_factory)
-    eng = engine(family, tmp_path_factory, max_num_tokens=24)
+    ref = alone(family, tmp_path_factory, mode)
+    eng = engine(family, tmp_path_factory, mode, max_num_tokens=24)
     got = run(eng, requests(len(ref)))
     assert got == ref
     assert any(len(t) > 1 for t, _, _ in got.values())
 
 
 @pytest.mark.slow
-def test_cache_exhaustion_preempts_and_recovers(family, tmp_path_factory):
+@pytest.mark.parametrize("mode", ["isolated", "fused64"])
+def test_cache_exhaustion_preempts_and_recovers(family, mode, tmp_path_factory):
     """A pool (4-token pages) that holds both requests' prompts and nothing more: when the older one needs a page,
     the newer one is preempted, waits, and later recomputes its prompt and generated tokens; both outputs (one
     greedy, one seeded sampling) equal those produced alone; usage returns to zero."""
@@ -128,11 +144,12 @@ def test_cache_exhaustion_preempts_and_recovers(family, tmp_path_factory):
             Request("y", prompt(301, 30), SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3))]
     ref = {}
     for r in reqs:
-        ref.update(run(engine(family, tmp_path_factory, max_num_tokens=24, block_size=4), [r]))
-    probe = engine(family, tmp_path_factory, block_size=4)
+        ref.update(run(engine(family, tmp_path_factory, mode, max_num_tokens=24, block_size=4), [r]))
+    probe = engine(family, tmp_path_factory, mode, block_size=4)
     lay = probe.cache.layout
     pool = lay.blocks_for(5) + lay.blocks_for(30)
-    eng = engine(family, tmp_path_factory, max_num_tokens=24, block_size=4, kv_cache_bytes=pool * lay.bytes_per_block)
+    eng = engine(family, tmp_path_factory, mode, max_num_tokens=24, block_size=4,
+                 kv_cache_bytes=pool * lay.bytes_per_block)
     assert run(eng, reqs) == ref
     assert eng.stats()["num_preemptions"] >= 1
 

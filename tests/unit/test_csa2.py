@@ -9,6 +9,7 @@ from dsflash.convert.synth import synth_value
 from dsflash.model_def import csa2
 from dsflash.model_def.config import get_preset
 from dsflash.model_def.layers import Numerics, hc_collapse, hc_expand, hc_mix
+from dsflash.model_def.ragged import Ragged
 from dsflash.model_def.v41 import ChunkContext, DeepseekV41Model, Gate, check_topology, tensor_table
 
 
@@ -140,7 +141,7 @@ def test_consumer_layer_attends_to_the_selected_entries_of_its_source(model):
 
     def run():
         s0 = state.window[3]
-        y = attn(x, ChunkContext(state, 20, pos, {2: sel}))
+        y = attn(x, [ChunkContext(state, 20, pos, {2: sel})], Ragged([(1, 1)]))
         state.window[3] = s0  # undo the window append of this probe
         return y
 

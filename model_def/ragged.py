@@ -1,0 +1,53 @@
+"""Several requests' chunks in one forward: their tokens laid end to end on one token axis.
+
+Chunk i is a block of B_i rows × S_i tokens (one request's prefill chunk or decode token, or a lockstep batch of
+B_i requests at the same position); it occupies rows offsets[i] .. offsets[i] + B_i·S_i of a [1, T, ...] tensor.
+Everything per token (linears, norms, mHC, MoE, the head) runs once over all T rows; only what reads a request's
+own cache (the attention core, the compressor's pooling, Engram's hashing) runs chunk by chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Chunk:
+    """One request batch's new tokens in a forward: ids [B,S] at state.pos (the model's state of those B rows;
+    image_mask [B,S] bool or None, V4.1 only)."""
+    ids: torch.Tensor
+    state: object
+    image_mask: torch.Tensor | None = None
+
+
+class Ragged:
+    def __init__(self, shapes: list[tuple[int, int]]):
+        if not shapes:
+            raise ValueError("a ragged batch needs at least one chunk")
+        self.shapes = [(int(b), int(s)) for b, s in shapes]
+        self.sizes = [b * s for b, s in self.shapes]
+        self.total = sum(self.sizes)
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """[B_i, S_i, ...] per chunk -> [1, T, ...]."""
+        flat = [p.reshape(1, b * s, *p.shape[2:]) for p, (b, s) in zip(parts, self.shapes, strict=True)]
+        return flat[0] if len(flat) == 1 else torch.cat(flat, 1)
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[1, T, ...] -> [B_i, S_i, ...] per chunk."""
+        if x.shape[:2] != (1, self.total):
+            raise ValueError(f"ragged tensor must be [1, {self.total}, ...], got {list(x.shape)}")
+        return [t.reshape(b, s, *t.shape[2:]) for t, (b, s) in zip(x.split(self.sizes, 1), self.shapes)]
+
+    def last_rows(self, device) -> torch.Tensor:
+        """Row index (on the T axis) of every sequence's last token, chunk by chunk, batch row by batch row."""
+        rows, off = [], 0
+        for (b, s), n in zip(self.shapes, self.sizes):
+            rows.extend(off + r * s + s - 1 for r in range(b))
+            off += n
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def split_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[N, ...] with one row per sequence (as `last_rows` orders them) -> [B_i, ...] per chunk."""
+        return list(x.split([b for b, _ in self.shapes], 0))
