@@ -21,6 +21,14 @@ def _params(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
 
 
+def bool_param(params: dict[str, str], key: str) -> bool:
+    """A config.pbtxt flag: "true" / "false" (any case), unset or empty = false."""
+    value = params.get(key, "").strip().lower()
+    if value not in ("", "true", "false"):
+        raise ValueError(f"config.pbtxt parameter {key!r} must be \"true\" or \"false\", got {params[key]!r}")
+    return value == "true"
+
+
 class TritonPythonModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
@@ -38,7 +46,8 @@ class TritonPythonModel:
         core = LLMEngine(p["engine_dir"], kv_cache_bytes=as_int("kv_cache_bytes"),
                          kv_cache_free_gpu_memory_fraction=float(p.get("kv_cache_free_gpu_mem_fraction") or 0.9),
                          max_queue=as_int("max_queue_size") or 256, max_batch_size=as_int("max_batch_size"),
-                         max_num_tokens=as_int("max_num_tokens"), max_seq_len=as_int("max_seq_len"))
+                         max_num_tokens=as_int("max_num_tokens"), max_seq_len=as_int("max_seq_len"),
+                         batch_invariant=bool_param(p, "batch_invariant"))
         top = core.max_seq_len - 1
         limits = Limits(max_prompt_len=as_int("max_prompt_len") or top, max_tokens_limit=as_int("max_tokens_limit")
                         or top)

@@ -1,7 +1,7 @@
 """`dsflash triton-repo --engine DIR --out REPO`: a Triton Inference Server model repository serving an engine.
 
 REPO/<name>/config.pbtxt      Python backend, decoupled (streaming), tensorrtllm-backend tensors (conventions §5.3),
-                              parameters: engine_dir, KV-cache size, queue, limits
+                              parameters: engine_dir, KV-cache size, queue, limits, batch_invariant
 REPO/<name>/1/model.py        dsflash.serve.triton_model.TritonPythonModel (the in-flight batching engine)
 REPO/<name>_bls/...           unary front (not decoupled) for HTTP /infer and gRPC ModelInfer, like tensorrt_llm_bls
 
@@ -68,7 +68,8 @@ def site_dirs(extra: list[str] = ()) -> list[str]:
 
 def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *, kv_cache_bytes: int | None = None,
                kv_cache_free_gpu_mem_fraction: float | None = None, max_queue_size: int | None = None,
-               max_batch_size: int | None = None, bls_instances: int = 4, extra_site_dirs: list[str] = ()) -> Path:
+               max_batch_size: int | None = None, bls_instances: int = 4, extra_site_dirs: list[str] = (),
+               batch_invariant: bool = False) -> Path:
     from dsflash.build.engine import EngineError, open_engine
     from dsflash.convert.atomic import atomic_dir
     eng = open_engine(engine_dir)
@@ -93,6 +94,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, name: str = "dsflash", *
         params["max_queue_size"] = str(max_queue_size)
     if max_batch_size is not None:
         params["max_batch_size"] = str(max_batch_size)
+    if batch_invariant:
+        params["batch_invariant"] = "true"
     models = ((name, True, "TritonPythonModel", params, 1),
               (f"{name}_bls", False, "TritonBLSModel", {"target_model": name}, bls_instances))
     # both model dirs are written beside their places and renamed only when both are complete
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     kv.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=None)
     p.add_argument("--max-queue-size", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a forward per request and step (as `dsflash serve --batch-invariant`)")
     p.add_argument("--extra-site-dir", action="append", default=[],
                    help="put this directory first on the stub's sys.path (e.g. one holding numpy 1.26); repeatable")
     p.add_argument("--backend-dir", default=None,
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = write_repo(a.engine, a.out, a.model_name, kv_cache_bytes=a.kv_cache_bytes,
                           kv_cache_free_gpu_mem_fraction=a.kv_cache_free_gpu_mem_fraction,
                           max_queue_size=a.max_queue_size, max_batch_size=a.max_batch_size,
-                          extra_site_dirs=a.extra_site_dir)
+                          extra_site_dirs=a.extra_site_dir, batch_invariant=a.batch_invariant)
         backends = write_backend_dir(a.backend_dir) if a.backend_dir else None
     except (EngineError, OSError) as e:
         print(f"dsflash triton-repo: {e}", file=sys.stderr)

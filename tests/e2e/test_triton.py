@@ -126,6 +126,19 @@ def test_repository_models_appear_whole_or_not_at_all(tmp_path_factory, tmp_path
         triton_repo.write_repo(engine, repo)
 
 
+def test_batch_invariant_reaches_the_model_config(tmp_path_factory, tmp_path):
+    from dsflash.serve import triton_repo
+    from dsflash.serve.triton_model import bool_param
+    _, engine = sv.tiny_engine(sv.engines_dir(tmp_path_factory), "v41")
+    triton_repo.write_repo(engine, tmp_path / "a", batch_invariant=True)
+    triton_repo.write_repo(engine, tmp_path / "b")
+    on, off = ((tmp_path / d / "dsflash" / "config.pbtxt").read_text() for d in "ab")
+    assert 'key: "batch_invariant" value: { string_value: "true" }' in on and "batch_invariant" not in off
+    assert bool_param({"batch_invariant": "True"}, "batch_invariant") and not bool_param({}, "batch_invariant")
+    with pytest.raises(ValueError, match="'batch_invariant' must be"):
+        bool_param({"batch_invariant": "yes"}, "batch_invariant")
+
+
 def test_repository_layout(triton):
     repo = Path(triton["log"]).parent / "repo"
     cfg = (repo / "dsflash_v41" / "config.pbtxt").read_text()
