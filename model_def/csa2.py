@@ -22,7 +22,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, N
                                       apply_rope, local_slice, norm_pair, rope_inv_freq, sink_attention,
                                       stacked_or_each, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
-from dsflash.model_def.ragged import Ragged
+from dsflash.model_def.ragged import Ragged, all_reduce_each
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
 COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
@@ -136,14 +136,25 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: SourceCache) -> torch.Tensor:
         """x [B,S,D] -> latents [B,G,head_dim]; keeps the tokens of an unfinished group in `cache`."""
+        return self.pool(self.project(x), cache, x.dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-token part: ratio 1, the latents themselves (None); else the kv and gate projections, in fp32
+        (the reference upcasts the ratio-2 compressor)."""
         if self.wgate is None:  # ratio 1: every token is its own entry, no pooling
-            return self.norm(self.wkv(x))
-        # pooling runs in fp32 (the reference upcasts the ratio-2 compressor)
-        kv = torch.cat([cache.buf_kv, F.linear(wide(x), wide(self.wkv.weight))], 1)
-        gate = torch.cat([cache.buf_gate, F.linear(wide(x), wide(self.wgate.weight))], 1)
+            return self.norm(self.wkv(x)), None
+        return F.linear(wide(x), wide(self.wkv.weight)), F.linear(wide(x), wide(self.wgate.weight))
+
+    def pool(self, proj: tuple[torch.Tensor, torch.Tensor | None], cache: SourceCache,
+             dtype: torch.dtype) -> torch.Tensor:
+        """One request batch's projections [B,S,·] -> latents [B,G,head_dim] of the groups they complete."""
+        kv, gate = proj
+        if gate is None:
+            return kv
+        kv, gate = torch.cat([cache.buf_kv, kv], 1), torch.cat([cache.buf_gate, gate], 1)
         usable = kv.shape[1] // self.ratio * self.ratio
         cache.buf_kv, cache.buf_gate = kv[:, usable:], gate[:, usable:]
-        return self.norm(pool_groups(kv[:, :usable], gate[:, :usable], self.ratio).to(x.dtype))
+        return self.norm(pool_groups(kv[:, :usable], gate[:, :usable], self.ratio).to(dtype))
 
 
 class Indexer(nn.Module):
@@ -169,15 +180,20 @@ class Indexer(nn.Module):
         """Index keys of new entries: FP4(RoPE(k_norm(wk · latent))). latent [B,G,d], positions [B,G]."""
         return fake_quant_fp4_pow2(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq), INDEX_BLOCK)
 
-    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               index_k: torch.Tensor) -> torch.Tensor:
-        """Σ_h w_h · ReLU(q_h · k_t) / sqrt(index_head_dim), w = weights_proj(x) / sqrt(n_heads). -> [B,S,T] fp32."""
+    def queries(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token part: this rank's index queries FP4(RoPE(wq_b · q_res)) [B,S,h_local,d] and head weights
+        w = weights_proj(x) / sqrt(n_heads) [B,S,h_local] fp32."""
         b, s, _ = x.shape
         q = self.wq_b(q_res).view(b, s, self.n_local, self.head_dim)
         q = fake_quant_fp4_pow2(apply_rope(q, positions, inv_freq), INDEX_BLOCK)
+        return q, wide(self.weights_proj(x)) * self.n_heads ** -0.5
+
+    def partial_scores(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+        """Σ_h w_h · ReLU(q_h · k_t) / sqrt(index_head_dim) over this rank's heads -> [B,S,T] fp32; the index heads
+        are sharded, so the scores are these partials summed over the TP ranks."""
         logits = torch.einsum("bshd,btd->bsht", wide(q), wide(index_k)).relu() * self.head_dim ** -0.5
-        w = wide(self.weights_proj(x)) * self.n_heads ** -0.5
-        return self.comm.all_reduce((logits * w.unsqueeze(-1)).sum(2))   # index heads are sharded: sum partials
+        return (logits * w.unsqueeze(-1)).sum(2)
 
 
 class GroupedLinear(nn.Module):
@@ -258,53 +274,69 @@ class Attention(nn.Module):
     # -- target model: the chunks of one forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctxs: list, rag: Ragged) -> torch.Tensor:
         """x [1,T,D] (after attn_norm; `rag` lays the chunks out) -> [1,T,D]. ctxs[i] (`ChunkContext` in v41.py)
-        carries chunk i's positions, request state and per-forward selections; the projections run once over all
-        T rows, the attention over each request's window and caches (updated in place) chunk by chunk."""
+        carries chunk i's positions, request state and per-forward selections. Every projection (queries, window
+        rows, compressor, indexer queries, output) runs once over all T rows and the indexer's TP all-reduce once
+        for all chunks; the window, compressed caches (updated in place), top-k and attention chunk by chunk."""
         pos = rag.join([c.positions for c in ctxs])
         inv = layer_inv_freq(self.args, self.layer, x.device)
         q_res, q, kv = self._query_kv(x, pos, inv)
-        parts = zip(ctxs, *(rag.split(t) for t in (x, q_res, q, kv)))
-        o = rag.join([self._attend_chunk(*p, inv) for p in parts])
-        return self._project(o, pos, inv)
+        none = [None] * len(ctxs)
+        comp = none
+        if self.compressor is not None:
+            kv_p, gate_p = self.compressor.project(x)
+            comp = list(zip(rag.split(kv_p), none if gate_p is None else rag.split(gate_p)))
+        iq = none if self.indexer is None else list(zip(*map(rag.split, self.indexer.queries(x, q_res, pos, inv))))
+        qs, windows, partials = rag.split(q), [], []
+        for ctx, kv_i, comp_i, iq_i in zip(ctxs, rag.split(kv), comp, iq):
+            windows.append(self._window_keys(ctx, kv_i))
+            if self.ratio:
+                cache = ctx.state.sources[self.kv_source]
+                if comp_i is not None:
+                    self._compress(comp_i, cache, inv, kv_i.shape[0], x.dtype)
+                if iq_i is not None:
+                    partials.append(self.indexer.partial_scores(*iq_i, cache.index_k))
+        scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
+        out = []
+        for ctx, q_i, (keys, allowed) in zip(ctxs, qs, windows):
+            if self.ratio:
+                cache = ctx.state.sources[self.kv_source]
+                if self.indexer is not None:
+                    ctx.selections[self.layer] = self._select(next(scores), ctx.positions, cache, ctx.selections)
+                sel = ctx.selections[self.index_source]
+                keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
+                allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
+            out.append(sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5))
+        return self._project(rag.join(out), pos, inv)
 
-    def _attend_chunk(self, ctx, x, q_res, q, kv, inv) -> torch.Tensor:
-        """One chunk [B,S] of a request batch at ctx.start: its window and source caches -> attention out [B,S,h,d]."""
-        b, s, _ = x.shape
-        pos, p0 = ctx.positions, ctx.start
+    def _window_keys(self, ctx, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's window keys (the kept rows, then its own kv [B,S,d]) and their causal window mask [B,S,·];
+        keeps the last window − 1 rows for the next chunk."""
+        b, s, _ = kv.shape
+        p0, qpos = ctx.start, ctx.positions[0]
         old = ctx.state.window[self.layer]
         keys = torch.cat([old.to(kv.dtype), kv], 1)
-        kpos = torch.arange(p0 - old.shape[1], p0 + s, device=x.device)
-        qpos = pos[0]
+        kpos = torch.arange(p0 - old.shape[1], p0 + s, device=kv.device)
         allowed = ((kpos <= qpos[:, None]) & (kpos > qpos[:, None] - self.window)).expand(b, s, -1)
         ctx.state.window[self.layer] = keys[:, keys.shape[1] - min(keys.shape[1], self.window - 1):]
-        if self.ratio:
-            cache = ctx.state.sources[self.kv_source]
-            if self.compressor is not None:
-                self._compress(x, cache, inv)
-            if self.indexer is not None:
-                ctx.selections[self.layer] = self._select(x, q_res, pos, cache, inv, ctx.selections)
-            sel = ctx.selections[self.index_source]
-            keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
-            allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
-        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        return keys, allowed
 
-    def _compress(self, x: torch.Tensor, cache: SourceCache, inv: torch.Tensor) -> None:
+    def _compress(self, proj, cache: SourceCache, inv: torch.Tensor, batch: int, dtype: torch.dtype) -> None:
         first = cache.count
-        latent = self.compressor(x, cache)                                         # pre-RoPE
+        latent = self.compressor.pool(proj, cache, dtype)                            # pre-RoPE
         if latent.shape[1] == 0:
             return
-        epos = ((first + torch.arange(latent.shape[1], device=x.device)) * self.ratio).expand(x.shape[0], -1)
+        epos = ((first + torch.arange(latent.shape[1], device=latent.device)) * self.ratio).expand(batch, -1)
         # the indexer keys are derived from the latent before it is rotated into the main cache
         cache.index_k = torch.cat([cache.index_k, self.indexer.keys(latent, epos, inv).to(cache.index_k.dtype)], 1)
         rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
         cache.kv = torch.cat([cache.kv, rot.to(cache.kv.dtype)], 1)
 
-    def _select(self, x, q_res, pos, cache: SourceCache, inv, selections: dict) -> torch.Tensor:
-        """Top-k entries per query, −1 padded [B,S,index_topk]; the candidate source also publishes its block mask."""
+    def _select(self, scores: torch.Tensor, pos: torch.Tensor, cache: SourceCache, selections: dict) -> torch.Tensor:
+        """Top-k entries per query, −1 padded [B,S,index_topk], of the summed index scores [B,S,T]; the candidate
+        source also publishes its block mask."""
         a = self.args
-        scores = self.indexer.scores(x, q_res, pos, inv, cache.index_k)
         counts = visible_counts(pos, self.ratio)
-        scores = scores.masked_fill(torch.arange(cache.count, device=x.device) >= counts.unsqueeze(-1),
+        scores = scores.masked_fill(torch.arange(cache.count, device=scores.device) >= counts.unsqueeze(-1),
                                     float("-inf"))
         cand = a.candidate_source_layer_id
         if self.layer == cand:

@@ -29,6 +29,15 @@ class Ragged:
         self.sizes = [b * s for b, s in self.shapes]
         self.total = sum(self.sizes)
 
+    @classmethod
+    def of(cls, chunks: list[Chunk]) -> "Ragged":
+        """The layout of a forward's chunks; each must have a state of its own (the attention of all chunks runs
+        layer by layer, so two chunks of one state would both start at its old position)."""
+        if len({id(c.state) for c in chunks}) != len(chunks):
+            raise ValueError("two chunks of one forward share a state: join a request's consecutive tokens into one "
+                             "chunk")
+        return cls([tuple(c.ids.shape) for c in chunks])
+
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """[B_i, S_i, ...] per chunk -> [1, T, ...]."""
         flat = [p.reshape(1, b * s, *p.shape[2:]) for p, (b, s) in zip(parts, self.shapes, strict=True)]
@@ -51,3 +60,11 @@ class Ragged:
     def split_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[N, ...] with one row per sequence (as `last_rows` orders them) -> [B_i, ...] per chunk."""
         return list(x.split([b for b, _ in self.shapes], 0))
+
+
+def all_reduce_each(comm, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sum each tensor over the TP ranks with one collective for all of them (the chunks' partial sums)."""
+    if len(parts) == 1:
+        return [comm.all_reduce(parts[0])]
+    flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in parts]))
+    return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in parts]), parts)]

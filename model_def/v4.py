@@ -23,7 +23,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
-from dsflash.model_def.ragged import Chunk, Ragged
+from dsflash.model_def.ragged import Chunk, Ragged, all_reduce_each
 
 KV_QUANT_BLOCK = 64      # FP8 scale block of window / compressed KV nope channels
 INDEX_QUANT_BLOCK = 32   # FP4 scale block of indexer keys / queries
@@ -196,13 +196,19 @@ class Compressor(nn.Module):
             st[key + ".prev_sc"] = torch.full((B, r, self.dim), float("-inf"), **acc)
         st[key + ".cache"] = torch.zeros(B, 0, self.dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, pos0: int, st: dict, key: str, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Feed tokens pos0.. of x [B,S,D]; returns the whole compressed cache [B,T,dim], T = (pos0+S)//ratio."""
-        B, S, _ = x.shape
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token part: kv and gate projections [.., c·dim] in the accumulation dtype."""
+        return _acc(self.wkv(x)), _acc(self.wgate(x))
+
+    def pool(self, proj: tuple[torch.Tensor, torch.Tensor], pos0: int, st: dict, key: str,
+             inv_freq: torch.Tensor) -> torch.Tensor:
+        """Feed one request batch's projections [B,S,·] of tokens pos0..; returns the whole compressed cache
+        [B,T,dim], T = (pos0+S)//ratio."""
+        kv, sc = proj
+        B, S, _ = kv.shape
         r, d = self.ratio, self.dim
-        pos = pos0 + torch.arange(S, device=x.device)
-        kv = _acc(self.wkv(x))
-        sc = _acc(self.wgate(x)) + self.ape[pos % r]
+        pos = pos0 + torch.arange(S, device=kv.device)
+        sc = sc + self.ape[pos % r]
         n_pend = pos0 % r  # rows of the unfinished group already seen
         kv = torch.cat([st[key + ".pend_kv"][:, :n_pend], kv], 1)
         sc = torch.cat([st[key + ".pend_sc"][:, :n_pend], sc], 1)
@@ -221,7 +227,7 @@ class Compressor(nn.Module):
             sc = torch.cat([prev_sc, sc[..., d:]], 2)
         e = (kv * sc.softmax(2)).sum(2)  # [B,G,d]
         e = rms_norm(e, self.norm.eps, self.norm.weight)
-        t = pos0 // r + torch.arange(G, device=x.device)
+        t = pos0 // r + torch.arange(G, device=kv.device)
         e = apply_rope(e, (t * r).expand(B, G), inv_freq)
         if self.numerics.deploy:
             if self.kind == "index":
@@ -246,19 +252,25 @@ class Indexer(nn.Module):
         self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads_total, numerics, mapping, dtype=dtype)
         self.compressor = Compressor(args, OVERLAP_RATIO, self.head_dim, numerics, "index", dtype)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, pos0: int, st: dict, inv_freq: torch.Tensor) -> torch.Tensor:
-        """-> selected [B,S,T] bool over the compressed entries."""
-        B, S, _ = x.shape
-        pos = pos0 + torch.arange(S, device=x.device)
-        k = self.compressor(x, pos0, st, "idx", inv_freq)  # [B,T,hd]
-        T = k.shape[1]
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos.expand(B, S), inv_freq)
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token part: this rank's index queries [B,S,h,hd] (RoPE'd at pos [B,S], deploy: Hadamard + FP4)
+        and head weights [B,S,h] = weights_proj(x) / sqrt(n_heads)."""
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, inv_freq)
         if self.numerics.deploy:
             q = _index_quant(q)
-        w = _acc(self.weights_proj(x)) * self.n_heads_total ** -0.5  # [B,S,h]
+        return q, _acc(self.weights_proj(x)) * self.n_heads_total ** -0.5
+
+    def partial_scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Σ_h w_h·ReLU(q_h·k_t)/sqrt(hd) over this rank's heads -> [B,S,T]; the caller sums it over the TP ranks."""
         score = torch.einsum("bshd,btd->bsht", _acc(q), _acc(k)).relu() * self.head_dim ** -0.5
-        score = self.comm.all_reduce((score * w.unsqueeze(-1)).sum(2))  # [B,S,T], partial over local heads
-        visible = (torch.arange(T, device=x.device) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
+        return (score * w.unsqueeze(-1)).sum(2)
+
+    def select(self, score: torch.Tensor, pos0: int) -> torch.Tensor:
+        """Summed scores [B,S,T] of a chunk at pos0 -> selected [B,S,T] bool over the compressed entries."""
+        B, S, T = score.shape
+        pos = pos0 + torch.arange(S, device=score.device)
+        visible = (torch.arange(T, device=score.device) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
         score = score.masked_fill(~visible, float("-inf"))
         # stable descending sort: ties (e.g. all heads ReLU'd to 0) go to the lower index, whatever T is, so a
         # chunked prefill picks what a full forward picks; picks past the visible range are dropped (the −1 slots)
@@ -310,7 +322,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, chunks: list[tuple[int, dict]], rag: Ragged) -> torch.Tensor:
         """x [1,T,D] (`rag` lays out the chunks; chunks[i] = (first position, layer state) of chunk i) -> [1,T,D].
-        The projections run once over all T rows, the window / compressed attention chunk by chunk."""
+        Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
+        the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk."""
         f, dev = self.inv_freq, x.device
         pos = rag.join([(p0 + torch.arange(s, device=dev)).expand(b, s) for (p0, _), (b, s) in
                         zip(chunks, rag.shapes)])                                      # [1,T]
@@ -321,16 +334,41 @@ class Attention(nn.Module):
         kv = apply_rope(kvn, pos, f)  # [1,T,d]
         if self.numerics.deploy:
             kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
-        parts = zip(chunks, *(rag.split(t) for t in (x, qr, q, kv)))
-        o = rag.join([self._attend_chunk(p0, st, *rest) for (p0, st), *rest in parts])
-        return self._project(o, pos, f)
+        none = [None] * len(chunks)
+        comp = none if self.compressor is None else list(zip(*map(rag.split, self.compressor.project(x))))
+        idx = none
+        if self.indexer is not None:
+            idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
+                           zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
+        windows, entries, partials = [], [], []
+        for (p0, st), kv_i, comp_i, idx_i in zip(chunks, rag.split(kv), comp, idx):
+            windows.append(self._window_keys(p0, st, kv_i))
+            if comp_i is not None:
+                entries.append(self.compressor.pool(comp_i, p0, st, "kv", f))  # [B,T,d]
+            if idx_i is not None:
+                k = self.indexer.compressor.pool(idx_i[0], p0, st, "idx", f)
+                partials.append(self.indexer.partial_scores(*idx_i[1], k))
+        scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
+        out = []
+        for (p0, st), q_i, (keys, allowed), ckv in zip(chunks, rag.split(q), windows, entries or none):
+            if ckv is not None:
+                B, S, T = *q_i.shape[:2], ckv.shape[1]
+                if self.indexer is not None:
+                    sel = self.indexer.select(next(scores), p0)
+                else:  # HCA: every complete group
+                    pos_i = p0 + torch.arange(S, device=dev)
+                    sel = (torch.arange(T, device=dev) < ((pos_i + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
+                keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
+                allowed = torch.cat([allowed, sel], -1)
+            out.append(sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5))
+        return self._project(rag.join(out), pos, f)
 
-    def _attend_chunk(self, pos0: int, st: dict, x, qr, q, kv) -> torch.Tensor:
-        """One chunk [B,S] at pos0 against its window ring and compressed caches -> attention out [B,S,h,d]."""
-        B, S, _ = x.shape
-        W, f, dev = self.window, self.inv_freq, x.device
+    def _window_keys(self, pos0: int, st: dict, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's window keys (the ring, positions < pos0 at slot pos % W, then its own kv [B,S,d]) and their
+        mask [B,S,W+S]; writes the chunk's last rows into the ring."""
+        B, S, _ = kv.shape
+        W, dev = self.window, kv.device
         pos = pos0 + torch.arange(S, device=dev)
-        # window keys: the ring (positions < pos0, slot = pos % W) then the new rows
         slot = torch.arange(W, device=dev)
         ring_pos = (pos0 - 1) - (pos0 - 1 - slot) % W  # latest position held by each slot (< 0: empty)
         kpos = torch.cat([ring_pos, pos])
@@ -340,17 +378,7 @@ class Attention(nn.Module):
         ring = st["win"].clone()
         ring[:, pos[-n:] % W] = kv[:, -n:].to(ring.dtype)
         st["win"] = ring
-        allowed = allowed.expand(B, S, -1)
-        if self.ratio:
-            ckv = self.compressor(x, pos0, st, "kv", f)  # [B,T,d]
-            if self.indexer is not None:
-                sel = self.indexer(x, qr, pos0, st, f)
-            else:
-                T = ckv.shape[1]  # HCA: every complete group
-                sel = (torch.arange(T, device=dev) < ((pos + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
-            keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
-            allowed = torch.cat([allowed, sel], -1)
-        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        return keys, allowed.expand(B, S, -1)
 
     def _project(self, o, positions, inv):
         """Attention output o [B,S,h,d] -> [B,S,D]: inverse RoPE at the query positions, `wo_a`, `wo_b`."""
@@ -573,7 +601,7 @@ class DeepseekV4Model(nn.Module):
 
     def _streams(self, chunks: list[Chunk]) -> tuple[Ragged, torch.Tensor]:
         """-> (the chunks' layout, final streams [1,T,n,D])."""
-        rag = Ragged([c.ids.shape for c in chunks])
+        rag = Ragged.of(chunks)
         ids = rag.join([c.ids for c in chunks])                                 # [1,T]
         X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         for i, blk in enumerate(self.layers):

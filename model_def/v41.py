@@ -387,7 +387,7 @@ class DeepseekV41Model(nn.Module):
 
     def _forward(self, chunks: list[Chunk], last_only: bool) -> list[torch.Tensor]:
         a = self.args
-        rag = Ragged([c.ids.shape for c in chunks])
+        rag = Ragged.of(chunks)
         dev = chunks[0].ids.device
         ids = rag.join([c.ids for c in chunks])                                    # [1, T]
         ctxs = [ChunkContext(c.state, c.state.pos, (c.state.pos + torch.arange(c.ids.shape[1], device=dev))

@@ -96,3 +96,6 @@ def test_ragged_layout():
         rag.split(torch.zeros(2, 5))
     with pytest.raises(ValueError, match="at least one chunk"):
         Ragged([])
+    state = object()
+    with pytest.raises(ValueError, match="share a state"):
+        Ragged.of([Chunk(torch.zeros(1, 2), state), Chunk(torch.zeros(1, 1), state)])
