@@ -68,3 +68,17 @@ def all_reduce_each(comm, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [comm.all_reduce(parts[0])]
     flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in parts]))
     return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+
+@torch.no_grad()
+def generate_greedy(model, input_ids: torch.Tensor, max_new_tokens: int,
+                    image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill input_ids [B,S], then greedy decode one token per forward -> [B, S + max_new_tokens]. Each forward
+    computes the vocabulary head on its last position only (`step_chunks`)."""
+    state = model.new_state(input_ids.shape[0])
+    out, chunk = [input_ids], Chunk(input_ids, state, image_mask)
+    for _ in range(max_new_tokens):
+        nxt = model.step_chunks([chunk])[0].argmax(-1, keepdim=True)    # [B, 1]
+        out.append(nxt)
+        chunk = Chunk(nxt, state)
+    return torch.cat(out, 1)

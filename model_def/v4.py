@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def import dispatch
+from dsflash.model_def import dispatch, ragged
 from dsflash.model_def.config import V4Args
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
@@ -637,9 +637,5 @@ class DeepseekV4Model(nn.Module):
 
     @torch.no_grad()
     def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        state = self.new_state(input_ids.shape[0])
-        out, nxt = [input_ids], input_ids
-        for _ in range(max_new_tokens):
-            nxt = self.step(nxt, state)[:, -1].argmax(-1, keepdim=True)
-            out.append(nxt)
-        return torch.cat(out, 1)
+        """Prefill, then greedy decode one token per forward -> [B, S + max_new_tokens]."""
+        return ragged.generate_greedy(self, input_ids, max_new_tokens)

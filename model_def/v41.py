@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.model_def import dispatch, dspark, engram
+from dsflash.model_def import dispatch, dspark, engram, ragged
 from dsflash.model_def.csa2 import Attention, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, wide)
@@ -428,16 +428,8 @@ class DeepseekV41Model(nn.Module):
     @torch.no_grad()
     def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int,
                         image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Prefill, then greedy decode one token per step() -> [B, S + max_new_tokens]."""
-        state = self.new_state(input_ids.shape[0])
-        out = input_ids
-        logits = self.step(input_ids, state, image_mask)
-        for i in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out = torch.cat([out, nxt], 1)
-            if i + 1 < max_new_tokens:
-                logits = self.step(nxt, state)
-        return out
+        """Prefill, then greedy decode one token per forward -> [B, S + max_new_tokens]."""
+        return ragged.generate_greedy(self, input_ids, max_new_tokens, image_mask)
 
     # -- DSpark drafter ------------------------------------------------------------------------------------------
     def new_draft_state(self, batch_size: int) -> dspark.DraftState:
