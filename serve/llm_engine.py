@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from dsflash.serve.api.metrics import ITERATION_BUCKETS, Histogram
 from dsflash.serve.runtime.block_manager import BlockManager, cache_layout, kv_cache_capacity
 from dsflash.serve.runtime.model_runner import ModelRunner, SpecStep
 from dsflash.serve.runtime.sampling import SamplingParams, sample, token_logprobs
@@ -106,6 +108,8 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._closed = False
         self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.num_iterations = self.scheduled_batch_size = 0   # iterations that ran the model; the last one's requests
+        self.iteration_latency = Histogram(ITERATION_BUCKETS)   # seconds per such iteration (forward + sampling)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -167,6 +171,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             released = self._released + [s.request_id for s in batch.preempted]
             self._released = []
+        start = time.perf_counter()
         logits = {}
         if batch.segments or (released and self._control is not None):
             try:
@@ -179,6 +184,10 @@ class LLMEngine:
             for seq, lg in logits.items():
                 if seq.status is Status.RUNNING:
                     outputs.append(self._emit(seq, lg))
+            if batch.segments:
+                self.num_iterations += 1
+                self.scheduled_batch_size = len({s.seq.request_id for s in batch.segments})
+                self.iteration_latency.observe(time.perf_counter() - start)
         return outputs
 
     def _emit(self, seq: Sequence, result) -> Output:
@@ -222,6 +231,8 @@ class LLMEngine:
                     "num_preemptions": self.scheduler.num_preemptions,
                     "prompt_tokens_total": self.prompt_tokens_total,
                     "generation_tokens_total": self.generation_tokens_total,
+                    "num_iterations": self.num_iterations, "scheduled_batch_size": self.scheduled_batch_size,
+                    "iteration_latency": self.iteration_latency.snapshot(),
                     **({"spec_decode": self._spec_totals()} if self.speculative is not None else {})}
 
     def _spec_totals(self) -> dict:

@@ -2,8 +2,9 @@
 
 Names follow trtllm-serve's (`trtllm_` prefix; conventions.md §4.2) so existing dashboards and alerts work:
 request counts, queue length, running requests, KV-cache usage, TTFT / TPOT / end-to-end latency histograms and
-token counters. Gauges of the engine (running, waiting, cache blocks, token totals) are read from
-`AsyncLLMEngine.stats()` at scrape time; request-level series are recorded by the front doors.
+token counters, and the iterations (`iterations_total`, `scheduled_batch_size`: the last iteration's requests,
+`iteration_latency_seconds`). Gauges of the engine (running, waiting, cache blocks, token totals, iterations) are
+read from `AsyncLLMEngine.stats()` at scrape time; request-level series are recorded by the front doors.
 
 Speculative engines add (conventions.md §4.2 / §6): `trtllm_spec_decode_acceptance_length` (histogram of the
 tokens each verify step emitted, buckets 1 .. N+1), `trtllm_spec_decode_drafted_tokens_total`,
@@ -22,6 +23,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -36,6 +39,12 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
         self.sum += v
         self.count += 1
+
+    def snapshot(self) -> "Histogram":
+        """An independent copy (the engine hands one to /metrics while it goes on observing)."""
+        h = Histogram(self.buckets)
+        h.counts, h.sum, h.count = list(self.counts), self.sum, self.count
+        return h
 
     def lines(self, name: str) -> list[str]:
         out, acc = [], 0
@@ -55,6 +64,9 @@ ENGINE_SERIES = {
     "num_preemptions": ("num_preemptions_total", "counter", "Requests preempted (cache freed, recomputed later)."),
     "prompt_tokens_total": ("prompt_tokens_total", "counter", "Prompt tokens processed."),
     "generation_tokens_total": ("generation_tokens_total", "counter", "Tokens generated."),
+    "num_iterations": ("iterations_total", "counter", "Scheduler iterations that ran the model."),
+    "scheduled_batch_size": ("scheduled_batch_size", "gauge",
+                             "Requests in the last iteration (one forward for all, unless --batch-invariant)."),
 }
 
 
@@ -106,6 +118,9 @@ class Metrics:
         if "kv_cache_total_blocks" in stats and "kv_cache_used_blocks" in stats:
             free = stats["kv_cache_total_blocks"] - stats["kv_cache_used_blocks"]
             lines.append(f"{family('kv_cache_free_blocks', 'gauge', 'KV-cache blocks free.')} {float(free)!r}")
+        if "iteration_latency" in stats:
+            lines += stats["iteration_latency"].lines(family("iteration_latency_seconds", "histogram",
+                                                            "Time of an iteration that ran the model."))
         if stats.get("spec_decode"):
             spec_lines(stats["spec_decode"], family, lines)
         return "\n".join(lines) + "\n"

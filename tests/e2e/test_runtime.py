@@ -154,6 +154,19 @@ def test_cache_exhaustion_preempts_and_recovers(family, mode, tmp_path_factory):
     assert eng.stats()["num_preemptions"] >= 1
 
 
+def test_one_iteration_runs_every_scheduled_request(tmp_path_factory):
+    """Four 5-token prompts fit one step: 3 iterations (prompts, then two decodes), each with all 4 requests;
+    /metrics reports them."""
+    from dsflash.serve.api.metrics import Metrics, parse
+    eng = engine("v41", tmp_path_factory)
+    run(eng, [Request(f"i{i}", prompt(400 + i, 5), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(4)])
+    s = eng.stats()
+    assert s["num_iterations"] == 3 and s["scheduled_batch_size"] == 4 and s["iteration_latency"].count == 3
+    v = parse(Metrics("tiny").render(s))
+    assert v["trtllm_iterations_total"] == 3 and v["trtllm_scheduled_batch_size"] == 4
+    assert v["trtllm_iteration_latency_seconds_count"] == 3
+
+
 def test_stop_strings_logprobs_and_limits(tmp_path_factory):
     eng = engine("v41", tmp_path_factory)
     p = prompt(7, 6)

@@ -220,9 +220,14 @@ def test_metrics_exposition():
     m.record_finished("length", ttft=0.02, e2e=0.5, completion_tokens=5)
     m.record_finished("stop", ttft=None, e2e=0.1, completion_tokens=0)
     m.record_error(429)
+    from dsflash.serve.api.metrics import ITERATION_BUCKETS, Histogram
+    iterations = Histogram(ITERATION_BUCKETS)
+    for t in (0.004, 0.04, 0.04):
+        iterations.observe(t)
     text = m.render({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "kv_cache_used_blocks": 4,
                      "kv_cache_total_blocks": 16, "prompt_tokens_total": 9, "generation_tokens_total": 5,
-                     "num_preemptions": 0})
+                     "num_preemptions": 0, "num_iterations": 3, "scheduled_batch_size": 7,
+                     "iteration_latency": iterations.snapshot()})
     assert "# TYPE trtllm_time_to_first_token_seconds histogram" in text
     v = parse(text)
     assert v['trtllm_request_success_total{finished_reason="length"}'] == 1
@@ -235,6 +240,10 @@ def test_metrics_exposition():
     assert v['trtllm_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
     assert v["trtllm_time_per_output_token_seconds_sum"] == pytest.approx((0.5 - 0.02) / 4)
     assert v["trtllm_e2e_request_latency_seconds_count"] == 2
+    assert v["trtllm_iterations_total"] == 3 and v["trtllm_scheduled_batch_size"] == 7
+    assert v['trtllm_iteration_latency_seconds_bucket{le="0.005"}'] == 1
+    assert v['trtllm_iteration_latency_seconds_bucket{le="0.05"}'] == 3
+    assert v["trtllm_iteration_latency_seconds_count"] == 3
 
 
 def test_thinking_split_by_token():
