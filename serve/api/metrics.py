@@ -40,10 +40,14 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def snapshot(self) -> "Histogram":
-        """An independent copy (the engine hands one to /metrics while it goes on observing)."""
-        h = Histogram(self.buckets)
-        h.counts, h.sum, h.count = list(self.counts), self.sum, self.count
+    def snapshot(self) -> dict:
+        """Plain data (JSON-ready) for stats(): {"buckets", "counts" (the last is +Inf), "sum", "count"}."""
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+    @classmethod
+    def from_snapshot(cls, snap: dict) -> "Histogram":
+        h = cls(tuple(snap["buckets"]))
+        h.counts, h.sum, h.count = list(snap["counts"]), float(snap["sum"]), int(snap["count"])
         return h
 
     def lines(self, name: str) -> list[str]:
@@ -119,8 +123,9 @@ class Metrics:
             free = stats["kv_cache_total_blocks"] - stats["kv_cache_used_blocks"]
             lines.append(f"{family('kv_cache_free_blocks', 'gauge', 'KV-cache blocks free.')} {float(free)!r}")
         if "iteration_latency" in stats:
-            lines += stats["iteration_latency"].lines(family("iteration_latency_seconds", "histogram",
-                                                            "Time of an iteration that ran the model."))
+            hist = Histogram.from_snapshot(stats["iteration_latency"])
+            lines += hist.lines(family("iteration_latency_seconds", "histogram",
+                                       "Time of an iteration that ran the model."))
         if stats.get("spec_decode"):
             spec_lines(stats["spec_decode"], family, lines)
         return "\n".join(lines) + "\n"
