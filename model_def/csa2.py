@@ -277,7 +277,7 @@ class Attention(nn.Module):
         carries chunk i's positions, request state and per-forward selections. Every projection (queries, window
         rows, compressor, indexer queries, output) runs once over all T rows and the indexer's TP all-reduce once
         for all chunks; the window, compressed caches (updated in place), top-k and attention chunk by chunk."""
-        pos = rag.join([c.positions for c in ctxs])
+        pos = rag.positions
         inv = layer_inv_freq(self.args, self.layer, x.device)
         q_res, q, kv = self._query_kv(x, pos, inv)
         none = [None] * len(ctxs)

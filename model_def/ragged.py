@@ -8,6 +8,7 @@ own cache (the attention core, the compressor's pooling, Engram's hashing) runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,12 +23,16 @@ class Chunk:
 
 
 class Ragged:
-    def __init__(self, shapes: list[tuple[int, int]]):
+    """The layout of a forward's chunks: their [B_i, S_i] shapes and, for a model forward, the position each starts
+    at (`starts`) and the device of its tensors (for `positions`)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], starts: list[int] | None = None, device=None):
         if not shapes:
             raise ValueError("a ragged batch needs at least one chunk")
         self.shapes = [(int(b), int(s)) for b, s in shapes]
         self.sizes = [b * s for b, s in self.shapes]
         self.total = sum(self.sizes)
+        self.starts, self.device = starts, device
 
     @classmethod
     def of(cls, chunks: list[Chunk]) -> "Ragged":
@@ -36,7 +41,16 @@ class Ragged:
         if len({id(c.state) for c in chunks}) != len(chunks):
             raise ValueError("two chunks of one forward share a state: join a request's consecutive tokens into one "
                              "chunk")
-        return cls([tuple(c.ids.shape) for c in chunks])
+        return cls([tuple(c.ids.shape) for c in chunks], [c.state.pos for c in chunks], chunks[0].ids.device)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[1, T] position of every row (chunk i: starts[i] + 0 .. S_i − 1 on each of its B_i rows), made once per
+        forward for all its layers."""
+        if self.starts is None:
+            raise ValueError("this layout has no start positions")
+        return self.join([(p0 + torch.arange(s, device=self.device)).expand(b, s)
+                          for p0, (b, s) in zip(self.starts, self.shapes, strict=True)])
 
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """[B_i, S_i, ...] per chunk -> [1, T, ...]."""

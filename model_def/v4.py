@@ -266,10 +266,10 @@ class Indexer(nn.Module):
         score = torch.einsum("bshd,btd->bsht", _acc(q), _acc(k)).relu() * self.head_dim ** -0.5
         return (score * w.unsqueeze(-1)).sum(2)
 
-    def select(self, score: torch.Tensor, pos0: int) -> torch.Tensor:
-        """Summed scores [B,S,T] of a chunk at pos0 -> selected [B,S,T] bool over the compressed entries."""
+    def select(self, score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Summed scores [B,S,T] of a chunk at positions pos [S] -> selected [B,S,T] bool over the compressed
+        entries."""
         B, S, T = score.shape
-        pos = pos0 + torch.arange(S, device=score.device)
         visible = (torch.arange(T, device=score.device) < ((pos + 1) // OVERLAP_RATIO).unsqueeze(-1)).expand(B, S, T)
         score = score.masked_fill(~visible, float("-inf"))
         # stable descending sort: ties (e.g. all heads ReLU'd to 0) go to the lower index, whatever T is, so a
@@ -320,13 +320,11 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
-    def forward(self, x: torch.Tensor, chunks: list[tuple[int, dict]], rag: Ragged) -> torch.Tensor:
-        """x [1,T,D] (`rag` lays out the chunks; chunks[i] = (first position, layer state) of chunk i) -> [1,T,D].
-        Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
+    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged) -> torch.Tensor:
+        """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
+        [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
         the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk."""
-        f, dev = self.inv_freq, x.device
-        pos = rag.join([(p0 + torch.arange(s, device=dev)).expand(b, s) for (p0, _), (b, s) in
-                        zip(chunks, rag.shapes)])                                      # [1,T]
+        f, pos = self.inv_freq, rag.positions                                   # pos [1,T]
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
         qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [1,T,h,d]
@@ -334,15 +332,15 @@ class Attention(nn.Module):
         kv = apply_rope(kvn, pos, f)  # [1,T,d]
         if self.numerics.deploy:
             kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
-        none = [None] * len(chunks)
+        none = [None] * len(states)
         comp = none if self.compressor is None else list(zip(*map(rag.split, self.compressor.project(x))))
         idx = none
         if self.indexer is not None:
             idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
                            zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
         windows, entries, partials = [], [], []
-        for (p0, st), kv_i, comp_i, idx_i in zip(chunks, rag.split(kv), comp, idx):
-            windows.append(self._window_keys(p0, st, kv_i))
+        for p0, st, pos_i, kv_i, comp_i, idx_i in zip(rag.starts, states, rag.split(pos), rag.split(kv), comp, idx):
+            windows.append(self._window_keys(p0, pos_i[0], st, kv_i))
             if comp_i is not None:
                 entries.append(self.compressor.pool(comp_i, p0, st, "kv", f))  # [B,T,d]
             if idx_i is not None:
@@ -350,25 +348,25 @@ class Attention(nn.Module):
                 partials.append(self.indexer.partial_scores(*idx_i[1], k))
         scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
         out = []
-        for (p0, st), q_i, (keys, allowed), ckv in zip(chunks, rag.split(q), windows, entries or none):
+        for pos_i, q_i, (keys, allowed), ckv in zip(rag.split(pos), rag.split(q), windows, entries or none):
             if ckv is not None:
                 B, S, T = *q_i.shape[:2], ckv.shape[1]
                 if self.indexer is not None:
-                    sel = self.indexer.select(next(scores), p0)
+                    sel = self.indexer.select(next(scores), pos_i[0])
                 else:  # HCA: every complete group
-                    pos_i = p0 + torch.arange(S, device=dev)
-                    sel = (torch.arange(T, device=dev) < ((pos_i + 1) // self.ratio).unsqueeze(-1)).expand(B, S, T)
+                    sel = (torch.arange(T, device=x.device) < ((pos_i[0] + 1) // self.ratio).unsqueeze(-1)
+                           ).expand(B, S, T)
                 keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, sel], -1)
             out.append(sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5))
         return self._project(rag.join(out), pos, f)
 
-    def _window_keys(self, pos0: int, st: dict, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk's window keys (the ring, positions < pos0 at slot pos % W, then its own kv [B,S,d]) and their
-        mask [B,S,W+S]; writes the chunk's last rows into the ring."""
+    def _window_keys(self, pos0: int, pos: torch.Tensor, st: dict,
+                     kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's window keys (the ring, positions < pos0 at slot pos % W, then its own kv [B,S,d] at positions
+        pos [S]) and their mask [B,S,W+S]; writes the chunk's last rows into the ring."""
         B, S, _ = kv.shape
         W, dev = self.window, kv.device
-        pos = pos0 + torch.arange(S, device=dev)
         slot = torch.arange(W, device=dev)
         ring_pos = (pos0 - 1) - (pos0 - 1 - slot) % W  # latest position held by each slot (< 0: empty)
         kpos = torch.cat([ring_pos, pos])
@@ -544,17 +542,14 @@ class MTPBlock(Block):
         self.hc_head_scale = nn.Parameter(torch.zeros(1))
         self._shared = shared  # (embed, head) of the main model; a tuple, so not registered as submodules
 
-    def forward(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int, st: dict) -> torch.Tensor:
-        return self.draft(X_main, next_ids, pos0, st)[0]
-
-    def draft(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int,
-              st: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, X_main: torch.Tensor, next_ids: torch.Tensor, pos0: int,
+                st: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (draft logits [B,S,V] fp32, the block's output streams [B,S,n,D]); a chained draft feeds them back."""
         embed, head = self._shared
         e = self.enorm(embed(next_ids))
         X = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(X_main))  # [B,S,n,D]
-        rag = Ragged([tuple(next_ids.shape)])
-        X = super().forward(X, next_ids, lambda x: rag.split(self.attn(rag.join([x]), [(pos0, st)], rag))[0])
+        rag = Ragged([tuple(next_ids.shape)], [pos0], next_ids.device)
+        X = super().forward(X, next_ids, lambda x: rag.split(self.attn(rag.join([x]), [st], rag))[0])
         x = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.eps))
         return head(x).float(), X
 
@@ -605,8 +600,8 @@ class DeepseekV4Model(nn.Module):
         ids = rag.join([c.ids for c in chunks])                                 # [1,T]
         X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         for i, blk in enumerate(self.layers):
-            at = [(c.state.pos, c.state.layers[i]) for c in chunks]
-            X = blk(X, ids, lambda x, blk=blk, at=at: blk.attn(x, at, rag))
+            states = [c.state.layers[i] for c in chunks]
+            X = blk(X, ids, lambda x, blk=blk, states=states: blk.attn(x, states, rag))
         for c in chunks:
             c.state.pos += c.ids.shape[1]
         return rag, X
@@ -630,7 +625,12 @@ class DeepseekV4Model(nn.Module):
                    j: int = 0) -> torch.Tensor:
         """Draft logits of MTP block j from the main streams X_main [B,S,n,D] at positions mtp_pos[j].. and the
         tokens that follow them, next_ids [B,S] (fresh state when None)."""
-        state = state or self.new_state(X_main.shape[0])
+        return self.mtp_draft(X_main, next_ids, state or self.new_state(X_main.shape[0]), j)[0]
+
+    @torch.no_grad()
+    def mtp_draft(self, X_main: torch.Tensor, next_ids: torch.Tensor, state: V4State,
+                  j: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mtp_logits` that also returns the block's output streams [B,S,n,D] (a chained draft feeds them back)."""
         out = self.mtp[j](X_main, next_ids, state.mtp_pos[j], state.mtp[j])
         state.mtp_pos[j] += next_ids.shape[1]
         return out

@@ -390,8 +390,7 @@ class DeepseekV41Model(nn.Module):
         rag = Ragged.of(chunks)
         dev = chunks[0].ids.device
         ids = rag.join([c.ids for c in chunks])                                    # [1, T]
-        ctxs = [ChunkContext(c.state, c.state.pos, (c.state.pos + torch.arange(c.ids.shape[1], device=dev))
-                             .expand(c.ids.shape[0], -1)) for c in chunks]
+        ctxs = [ChunkContext(c.state, c.state.pos, pos) for c, pos in zip(chunks, rag.split(rag.positions))]
         image_mask = None
         if any(c.image_mask is not None for c in chunks):
             image_mask = rag.join([torch.zeros_like(c.ids, dtype=torch.bool) if c.image_mask is None

@@ -138,11 +138,8 @@ class MTPDrafter:
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None   # (logits [B,V], streams [B,1,n,D]) of row N−1
 
     def _forward(self, X_main: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`MTPBlock.draft` (v4.py, architecture.md §2.11): logits and the block's output streams."""
-        st = self.state
-        out = self.model.mtp[self.j].draft(X_main, next_ids, st.mtp_pos[self.j], st.mtp[self.j])
-        st.mtp_pos[self.j] += next_ids.shape[1]
-        return out
+        """`DeepseekV4Model.mtp_draft` (architecture.md §2.11): logits and the block's output streams."""
+        return self.model.mtp_draft(X_main, next_ids, self.state, self.j)
 
     @torch.no_grad()
     def commit(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -141,7 +141,7 @@ def test_consumer_layer_attends_to_the_selected_entries_of_its_source(model):
 
     def run():
         s0 = state.window[3]
-        y = attn(x, [ChunkContext(state, 20, pos, {2: sel})], Ragged([(1, 1)]))
+        y = attn(x, [ChunkContext(state, 20, pos, {2: sel})], Ragged([(1, 1)], [20]))
         state.window[3] = s0  # undo the window append of this probe
         return y
 
