@@ -89,7 +89,7 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     res["tuned_sm90_entries"] = sum(bool(e["config"].get("config", {}).get("sm90")) for e in gemm)
     res["tuned_skipped"] = tuned.get("skipped", [])
 
-    plug, _ = load_engine_model(eng, device="cuda")
+    plug, _ = load_engine_model(eng, device="cuda", dense_experts=True)
     ref, _ = load_engine_model(eng, device="cuda", plugins="reference")
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, plug.args.vocab_size, (1, prompt_len), generator=gen).cuda()
@@ -130,7 +130,7 @@ def run_preset(name: str, work: Path, prompt_len: int, new_tokens: int, tune_bud
     counter = _Count()
     logging.getLogger().addHandler(counter)
     try:
-        bare, _ = load_engine_model(eng, device="cuda")
+        bare, _ = load_engine_model(eng, device="cuda", dense_experts=True)
         bare.logits(ids[:, :8])
         first = len([m for m in counter.messages if "no tuned entry" in m])
         bare.logits(ids[:, :8])

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     convert(hf, work / "hop", "hopper", progress=False, log=lambda *x: None)
     eng = write_engine(work / "hop", work / "eng", Mapping(world_size=1, tp_size=1), "sm90",
                        BuildConfig(max_num_tokens=64, tune_budget_s=a.tune_budget_s), progress=False)
-    model, _ = load_engine_model(eng)
+    model, _ = load_engine_model(eng, dense_experts=True)
     ids = torch.randint(0, model.args.vocab_size, (1, 64), generator=torch.Generator().manual_seed(11)).cuda()
     inputs: dict[str, torch.Tensor] = {}
     hooks = [m.register_forward_pre_hook(lambda m, x, n=n: inputs.setdefault(n, x[0].detach().clone()))

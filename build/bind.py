@@ -47,6 +47,11 @@ def wants_kernel_format(plugins: dict, args, entry) -> bool:
     return False
 
 
+def moe_binds(plugins: dict, args) -> bool:
+    """Whether `bind_plugins` binds the MoE plugin for this selection (the loader then makes no dense experts)."""
+    return plugins.get("moe") in dispatch.MOE_PLUGINS and bool(args.norm_topk_prob)
+
+
 def _fp8_linears(model):
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.quant == "fp8":
@@ -75,7 +80,7 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                 continue
             lin.plugin = fp8_linear_plugin(t, block)
             bound["gemm"] += 1
-    if plugins.get("moe") in dispatch.MOE_PLUGINS:
+    if plugins.get("moe") in dispatch.MOE_PLUGINS:   # (norm_topk_prob=false: said once, the reference runs)
         bound["moe"] = _bind_moe(model, args, kept, inter_local, ep_size, plugins["moe"] == "mxfp4_overlap")
     if plugins.get("mhc") in ("fused", "fused_overlap"):
         for name, mod in model.named_modules():
@@ -232,6 +237,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
     checkpoints, `dsflash synth --train-steps`, they agree). Site replay isolates each kernel, with the engine's
     real weights, shapes and activations."""
     from dsflash.model_def.v41 import Block, MoE
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("site_parity replays each site against its reference: load the model with "
+                         "load_engine_model(..., dense_experts=True) so the routed experts have reference weights")
     captured, hooks = [], []
     counts: dict[str, int] = {}
 

@@ -13,7 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsflash build", description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="`dsflash convert` output or HF checkpoint dir")
-    src.add_argument("--preset", help="family/name (e.g. v41/full): plan only, with --dry-run")
+    src.add_argument("--preset", help="family/name (e.g. v41/full): a plan with --dry-run, or an engine with "
+                                      "--dummy-weights")
     p.add_argument("--out", help="engine directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= world size)")
     p.add_argument("--moe-ep", type=int, default=None, help="MoE expert-parallel size (default 1)")
@@ -35,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the drafter the engine serves with by default (dspark: V4.1, mtp: V4)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=0,
                    help="draft tokens per step (default: the DSpark block size / one per MTP layer)")
+    p.add_argument("--dummy-weights", action="store_true",
+                   help="with --preset: an engine without rank files whose weights are drawn at load time in the "
+                        "engine's formats (vLLM/SGLang --load-format dummy); for performance runs at full size")
+    p.add_argument("--seed", type=int, default=0, help="with --dummy-weights: the weights' seed")
     p.add_argument("--dry-run", action="store_true", help="print the per-rank plan and write nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -67,12 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype,
                           a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype,
                           disable_plugins=a.disable_plugin, tune_budget_s=a.tune_budget_s)
+        if a.dummy_weights and not a.preset:
+            raise ValueError("--dummy-weights goes with --preset family/name (a checkpoint has weights of its own)")
         if a.preset:
-            if not a.dry_run:
-                raise ValueError("--preset builds only a plan: add --dry-run (engines need --ckpt)")
             from dsflash.model_def.config import get_preset
             family, _, name = a.preset.partition("/")
-            dry_run(get_preset(family, name or "full"), mapping, a.arch, a.json)
+            args = get_preset(family, name or "full")
+            if a.dry_run:
+                dry_run(args, mapping, a.arch, a.json)
+                return 0
+            if not a.dummy_weights:
+                raise ValueError("--preset builds a plan (--dry-run) or a dummy-weight engine (--dummy-weights); "
+                                 "engines with weights need --ckpt")
+            if not a.out:
+                raise ValueError("--out is required (engine directory to write)")
+            from dsflash.build.dummy import write_dummy_engine
+            out = write_dummy_engine(args, a.out, mapping, a.arch, cfg, a.seed)
+            print(f"engine written to {out} (dummy weights, seed {a.seed})")
             return 0
         if a.dry_run:
             from dsflash.build.source import open_source

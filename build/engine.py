@@ -28,6 +28,7 @@ from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import TensorEntry, tensor_table
 
 ENGINE_FILE = "engine.json"
+ENGRAM_TABLE = ".engram.embed.weight"   # loaded as stored (FP8 rows + e8m0 scales), never dequantized whole
 ENGINE_VERSION = 1
 
 
@@ -75,25 +76,32 @@ def write_engine(ckpt_dir: str | Path, out: str | Path, mapping: Mapping, arch: 
             save_file(tensors, str(tmp / fname), metadata={"rank": str(plan.rank)})
             ranks.append({"file": fname, "tensors": len(tensors), "bytes": plan.bytes,
                           "sha256": _sha256(tmp / fname)})
-        engine = {
-            "version": ENGINE_VERSION,
-            "model": args.to_hf_dict(),
-            "mapping": mapping.for_rank(0).to_dict(),
-            "build_config": cfg.__dict__,
-            "arch": arch,
-            "layout": src.layout,
-            "expert_dtype": src.expert_dtype,
-            **expert_widths(args, mapping, arch),
-            "plugins": default_plugins(arch, tuple(cfg.disable_plugins), args.family),
-            "source": str(Path(ckpt_dir).resolve()),
-            "ranks": ranks,
-        }
+        engine = engine_meta(args, mapping, arch, cfg, src.layout, src.expert_dtype, ranks,
+                             source=str(Path(ckpt_dir).resolve()))
         from dsflash.build.tune import write_tuned
         write_tuned(tmp, engine, arch)
         (tmp / ENGINE_FILE).write_text(json.dumps(engine, indent=2))
         verify_engine(tmp)
         src.copy_tokenizer(tmp)
     return out
+
+
+def engine_meta(args, mapping: Mapping, arch: str, cfg: BuildConfig, layout: str, expert_dtype: str, ranks: list,
+                **extra) -> dict:
+    """engine.json of a build (`extra`: where its weights come from)."""
+    return {
+        "version": ENGINE_VERSION,
+        "model": args.to_hf_dict(),
+        "mapping": mapping.for_rank(0).to_dict(),
+        "build_config": cfg.__dict__,
+        "arch": arch,
+        "layout": layout,
+        "expert_dtype": expert_dtype,
+        **expert_widths(args, mapping, arch),
+        "plugins": default_plugins(arch, tuple(cfg.disable_plugins), args.family),
+        **extra,
+        "ranks": ranks,
+    }
 
 
 def check_speculative(args, cfg: BuildConfig) -> None:
@@ -178,7 +186,15 @@ class Engine:
     def mapping(self, rank: int) -> Mapping:
         return Mapping.from_dict(self.meta["mapping"]).for_rank(rank)
 
+    @property
+    def dummy_seed(self) -> int | None:
+        """The seed of an engine built with dummy weights (generated at load time), else None."""
+        w = self.meta.get("weights")
+        return None if w is None else int(w["seed"])
+
     def rank_file(self, rank: int) -> Path:
+        if self.dummy_seed is not None:
+            raise EngineError(f"{self.path / ENGINE_FILE}: a dummy-weight engine has no rank files")
         return self.path / self.meta["ranks"][rank]["file"]
 
 
@@ -197,7 +213,7 @@ def open_engine(path: str | Path, check_arch: bool = True) -> Engine:
         raise EngineError(f"{f}: engine was built for {meta['arch']}, but this machine is {current_arch()}; "
                           f"rebuild it with `dsflash build --arch {current_arch()}`")
     for r in meta["ranks"]:
-        if not (path / r["file"]).is_file():
+        if r.get("file") is not None and not (path / r["file"]).is_file():
             raise EngineError(f"{path / r['file']}: rank file is missing")
     return Engine(path, meta)
 
@@ -243,7 +259,7 @@ def verify_engine(path: str | Path) -> None:
         m = eng.mapping(r)
         model = build_model(args, "deploy", mapping=m, comm=ShapeOnlyComm(m), device="meta")
         params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        have = rank_tensors(eng, r)
+        have = None if eng.dummy_seed is not None else rank_tensors(eng, r)
         expected = {}
         for e in table:
             cut = plan.cuts.get(e.name)
@@ -251,7 +267,7 @@ def verify_engine(path: str | Path) -> None:
                 continue
             le = local_entry(e, cut)
             p = params.get(e.name)
-            where = f"{eng.rank_file(r)}: tensor '{e.name}'"
+            where = f"{eng.path if have is None else eng.rank_file(r)}: tensor '{e.name}'"
             if p is None:
                 raise EngineError(f"{where} has no parameter in the rank-{r} model")
             want = tuple(p.shape)
@@ -261,26 +277,70 @@ def verify_engine(path: str | Path) -> None:
                 raise EngineError(f"{where} has logical shape {list(le.shape)}, rank-{r} model expects {list(want)}")
             for o in layouts.outputs(le, meta["layout"], meta["expert_dtype"], args):
                 expected[o.name] = (o.shape, o.dtype)
-        for name, (shape, dtype) in expected.items():
-            check_rank_tensor(eng.rank_file(r), have, name, shape, dtype)
-        extra = sorted(set(have) - set(expected))
-        if extra:
-            raise EngineError(f"{eng.rank_file(r)}: unexpected tensors, e.g. {extra[:3]}")
+        if have is not None:
+            for name, (shape, dtype) in expected.items():
+                check_rank_tensor(eng.rank_file(r), have, name, shape, dtype)
+            extra = sorted(set(have) - set(expected))
+            if extra:
+                raise EngineError(f"{eng.rank_file(r)}: unexpected tensors, e.g. {extra[:3]}")
         unused = [n for n in dict(model.named_parameters()) if n not in plan.cuts]
         if unused:
-            raise EngineError(f"{eng.rank_file(r)}: no tensors for rank-{r} model parameters, e.g. {unused[:3]}")
+            raise EngineError(f"{eng.path if have is None else eng.rank_file(r)}: no tensors for rank-{r} model "
+                              f"parameters, e.g. {unused[:3]}")
+
+
+class RankFile:
+    """A rank's stored tensors, read from rank{R}.safetensors, each checked against the file's header first."""
+
+    def __init__(self, eng: Engine, rank: int):
+        self.eng, self.args, self.file, self.have = eng, eng.args, eng.rank_file(rank), rank_tensors(eng, rank)
+
+    def __enter__(self) -> "RankFile":
+        self._ctx = safe_open(str(self.file), framework="pt")
+        self.f = self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+    def stored(self, le: TensorEntry, logical: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The entry's tensors in the engine's layout (logical: the unpadded model shape, unused here)."""
+        from dsflash.convert import layouts
+        outs = layouts.outputs(le, self.eng.meta["layout"], self.eng.meta["expert_dtype"], self.args)
+        for o in outs:
+            check_rank_tensor(self.file, self.have, o.name, o.shape, o.dtype)
+        return {o.name: self.f.get_tensor(o.name) for o in outs}
+
+    def reference(self, le: TensorEntry, logical: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The entry's tensors in the HF format (codes + e8m0 scales), which the kernels read."""
+        from dsflash.convert import layouts
+        meta = self.eng.meta
+        return layouts.to_reference(le, self.stored(le, logical), meta["layout"], meta["expert_dtype"],
+                                    self.args)
+
+
+def rank_source(eng: Engine, rank: int, device: str):
+    """Where a rank's tensors come from: its file, or (a dummy-weight engine) a generator on `device`."""
+    if eng.dummy_seed is None:
+        return RankFile(eng, rank)
+    from dsflash.build.dummy import DummyRank
+    return DummyRank(eng, rank, device)
 
 
 def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | None = None, dtype=None,
-                      plugins: str | dict | None = None, check_arch: bool = True):
-    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors (dtype: the build's `--dtype`;
-    device: the current CUDA device for GPU engines, else the CPU).
+                      plugins: str | dict | None = None, check_arch: bool = True, dense_experts: bool = False):
+    """The rank's model (deploy numerics) with its weights from rank{R}.safetensors, or generated in place for a
+    dummy-weight engine (dtype: the build's `--dtype`; device: the current CUDA device for GPU engines, else the
+    CPU).
 
     plugins: None = the engine's selection (engine.json `plugins`), "reference" = none, or {op: impl} overrides.
     Plugin ops get their tensors in the kernel's format (build/bind.py); padded expert columns are cut off for the
-    reference experts (they are zero)."""
+    reference experts (they are zero). When the MoE plugin binds, the routed experts' dequantized weights are not
+    made at all (they stay on the meta device: a full-size rank's experts take 4× their MXFP4 bytes in BF16), unless
+    `dense_experts` asks for them (the reference a site replay compares against, `build.bind.site_parity`)."""
     from dsflash.build.bind import bind_plugins, resolve_plugins, wants_kernel_format
     from dsflash.convert import layouts
+    from dsflash.model_def import materialize
     eng = open_engine(path, check_arch=check_arch)
     if device is None:
         device = "cuda" if eng.meta["arch"] != "cpu" and torch.cuda.is_available() else "cpu"
@@ -289,22 +349,32 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
     chosen = resolve_plugins(eng.meta.get("plugins", default_plugins("cpu")), plugins)
     args, meta = eng.args, eng.meta
     mapping = eng.mapping(rank)
-    model = build_model(args, "deploy", mapping=mapping, comm=comm, dtype=dtype, device=device)
+    model, shape_only, need = load_plan(eng, rank, comm, dtype, chosen, dense_experts)
+    free = device_free_bytes(device)
+    if free is not None and need > free:
+        raise EngineError(f"{eng.path}: rank {rank} needs {need / 2**30:.1f} GiB of weights on {device}, which has "
+                          f"{free / 2**30:.1f} GiB free (full-size models need GPU engines with their MoE plugin, "
+                          f"or more ranks: --tp)")
+    unfilled = set(materialize(model, device, shape_only))
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     table = tensor_table(args)
     cuts = plan_rank(args, table, mapping, meta["arch"]).cuts
     kept: dict[str, dict[str, torch.Tensor]] = {}
-    file = eng.rank_file(rank)
-    have = rank_tensors(eng, rank)
-    with safe_open(str(file), framework="pt") as f, torch.no_grad():
+    with rank_source(eng, rank, device) as source, torch.no_grad():
         for e in table:
             if e.name not in cuts:
                 continue
             le = local_entry(e, cuts[e.name])
-            outs = layouts.outputs(le, meta["layout"], meta["expert_dtype"], args)
-            for o in outs:
-                check_rank_tensor(file, have, o.name, o.shape, o.dtype)
-            ours = {o.name: f.get_tensor(o.name) for o in outs}
+            p = params[e.name]
+            if p.is_meta:   # an Engram table or a routed expert of the MoE plugin: the stored codes and scales
+                ref = source.reference(le, tuple(p.shape))
+                q, sc = ref[e.name].to(device), ref[e.scale_name].to(device)
+                if e.name.endswith(ENGRAM_TABLE):
+                    model.get_submodule(e.name.removesuffix(".weight")).set_stored(q, sc)
+                else:
+                    kept[e.name] = {"q": q, "s": sc}
+                continue
+            ours = source.stored(le, tuple(p.shape))
             if wants_kernel_format(chosen, args, le):
                 # the kernels read the HF format (plain codes + e8m0 scales): unpack once, dequantize from that
                 ref = layouts.to_reference(le, ours, meta["layout"], meta["expert_dtype"], args)
@@ -315,10 +385,12 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
                     kept[e.name]["bf16"] = ours[bf16].to(device)
             else:
                 value = layouts.dequantize(le, ours, meta["layout"], meta["expert_dtype"], args)
-            p = params[e.name]
             if value.shape != p.shape:   # expert widths padded after sharding: the padding is zero
                 value = value[tuple(slice(0, s) for s in p.shape)]
             p.copy_(value.to(p.dtype))
+            unfilled.discard(e.name)
+    if unfilled:
+        raise EngineError(f"{eng.path}: rank {rank} has no tensors for model parameters, e.g. {sorted(unfilled)[:3]}")
     if any(impl != "reference" for impl in chosen.values()):
         bind_plugins(model, args, chosen, kept, meta["expert_inter_local"], mapping.moe_ep_size)
         from dsflash.build.tune import gemm_table, moe_table, read_tuned
@@ -330,6 +402,48 @@ def load_engine_model(path: str | Path, rank: int = 0, comm=None, device: str | 
         if chosen.get("moe") in MOE_PLUGINS:
             from dsflash.plugins import moe_config
             moe_config.set_table(moe_table(tuned))
+    replaced = tuple(f"{n}." for n, mod in model.named_modules() if hasattr(mod, "experts") and mod.plugin is not None)
+    shapeless = [n for n, t in model.named_parameters() if t.is_meta and not n.startswith(replaced)]
+    if shapeless:   # the MoE plugin was expected to bind (moe_binds) and did not
+        raise EngineError(f"{eng.path}: rank {rank} has shape-only parameters no plugin replaces, e.g. {shapeless[:3]}")
     if hasattr(model, "load_tokenizer"):
         model.load_tokenizer(Path(path) / "tokenizer.json")
     return model.eval(), eng
+
+
+def load_plan(eng: Engine, rank: int, comm, dtype: torch.dtype, chosen: dict, dense_experts: bool = False):
+    """What loading a rank makes, before anything is allocated: (the model on the meta device, `shape_only(name)`:
+    the tensors kept as stored instead of dequantized, bytes of weights the load will hold on its device).
+
+    Kept as stored: the Engram tables (FP8 rows + e8m0 scales: 1 + 1/32 bytes an element) and, where the MoE plugin
+    binds, the routed experts (MXFP4: 1/2 + 1/32). With plugins the rest of the rank's stored bytes is added, which
+    bounds the kernels' copies of the dense weights."""
+    from dsflash.build.bind import moe_binds
+    model = build_model(eng.args, "deploy", mapping=eng.mapping(rank), comm=comm, dtype=dtype, device="meta")
+    defer = moe_binds(chosen, eng.args) and not dense_experts
+
+    def shape_only(name: str) -> bool:
+        return name.endswith(ENGRAM_TABLE) or (defer and ".experts." in name)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    need = sum(t.numel() * t.element_size() for n, t in tensors if not shape_only(n))
+    stored = int(sum(t.numel() * (33 / 32 if n.endswith(ENGRAM_TABLE) else 17 / 32) for n, t in tensors
+                     if shape_only(n)))
+    need += stored
+    if any(impl != "reference" for impl in chosen.values()):
+        need += max(0, int(eng.meta["ranks"][rank].get("bytes", 0)) - stored)
+    return model, shape_only, need
+
+
+def device_free_bytes(device: str) -> int | None:
+    """Free memory of `device` (CPU: MemAvailable), or None when it cannot be told."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    if dev.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None

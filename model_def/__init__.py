@@ -13,7 +13,7 @@ from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import tensor_table
 
 __all__ = ["CheckpointError", "ConfigError", "Mapping", "Numerics", "V4Args", "V41Args", "build_model",
-           "get_preset", "load_args", "load_reference", "tensor_table"]
+           "get_preset", "load_args", "load_reference", "materialize", "tensor_table"]
 
 
 def model_class(args):
@@ -29,6 +29,23 @@ def build_model(args, numerics: str = "hf", mapping: Mapping | None = None, comm
     """An uninitialised model of `args`' family (use device='meta' for shape-only checks)."""
     with torch.device(device):
         return model_class(args)(args, Numerics(numerics, args.act_block), mapping=mapping, comm=comm, dtype=dtype)
+
+
+def materialize(model: nn.Module, device: str | torch.device, keep_meta=lambda name: False) -> list[str]:
+    """Give every parameter and buffer of a model built on the meta device uninitialised storage on `device`, except
+    those whose name `keep_meta(name)` accepts (they stay shape-only: nothing may read them). Returns the names
+    materialized; the caller fills each of them."""
+    done = []
+    for mod_name, mod in model.named_modules():
+        for registry in (mod._parameters, mod._buffers):
+            for key, t in registry.items():
+                name = f"{mod_name}.{key}" if mod_name else key
+                if t is None or not t.is_meta or keep_meta(name):
+                    continue
+                new = torch.empty_like(t, device=device)
+                registry[key] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                done.append(name)
+    return done
 
 
 def load_weights(model: nn.Module, ckpt: HFCheckpoint, table, progress: bool = False) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from dsflash.model_def.layers import Linear, LocalComm, Numerics, wide
 from dsflash.model_def.mapping import split_rows
 from dsflash.model_def.names import TensorEntry
+from dsflash.model_def.quant import E4M3, E8M0
 
 DEAD = -1                   # compressed-id marker of a DEAD token (and of "before the sequence start") in history
 GATE_CLAMP = 1e-6           # |dot| floor before the signed square root
@@ -228,11 +229,34 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 class _EngramTable(nn.Module):
-    """Dequantized fp32 hash table; checkpoint `embed.weight` (+ implied 1x32 `embed.scale`)."""
+    """The hash table, checkpoint `embed.weight` (+ its 1x32 `embed.scale`): dequantized fp32 rows, or (engine
+    loads, `set_stored`) the FP8 e4m3 codes and e8m0 scales as stored, of which a lookup dequantizes the rows it
+    reads: the same fp32 values at a quarter of the bytes (a full-size table is ~100 GB in FP8)."""
 
     def __init__(self, rows: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("scale", None)
+
+    def set_stored(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold the table as stored: codes e4m3 [rows, dim], scale e8m0 [rows, dim/32] (checked once, here)."""
+        rows, dim = self.weight.shape
+        if tuple(codes.shape) != (rows, dim) or tuple(scale.shape) != (rows, dim // 32):
+            raise ValueError(f"Engram table: codes {list(codes.shape)} / scale {list(scale.shape)} do not match "
+                             f"[{rows}, {dim}] with 1x32 scales")
+        byte = scale.view(torch.uint8) if scale.dtype == E8M0 else scale.to(torch.uint8)
+        if bool((byte == 255).any()):
+            raise ValueError("Engram table: an e8m0 scale holds the NaN encoding 0xFF")
+        self.weight = nn.Parameter(codes.to(E4M3), requires_grad=False)
+        self.scale = byte
+
+    def lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` [...] -> fp32 [..., dim]."""
+        if self.scale is None:
+            return F.embedding(idx, self.weight)
+        codes = self.weight.view(torch.uint8)[idx].view(E4M3).float()                   # [..., dim]
+        exp = self.scale[idx].to(torch.int32) - 127                                      # [..., dim/32]
+        return codes * torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp).repeat_interleave(32, -1)
 
 
 def _table_rows(args, layer_id: int) -> int:
@@ -270,7 +294,7 @@ class Engram(nn.Module):
         """x [B,S,n,D], row_ids [B,S,K] (engram_hash_ids), valid [B,S] bool (False -> gate 0) -> x updated."""
         local = row_ids - self.row_start
         here = (local >= 0) & (local < self.embed.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.embed.weight.shape[0] - 1), self.embed.weight)
+        rows = self.embed.lookup(local.clamp(0, self.embed.weight.shape[0] - 1))
         rows = self.comm.all_reduce(wide(rows) * here.unsqueeze(-1)).flatten(-2)  # [B,S,K*hd], exact fp8 values
         kv = self.wkv(rows.to(self.wkv.weight.dtype))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)          # keys first, then the value

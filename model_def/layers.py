@@ -5,6 +5,8 @@ Everything here is plain PyTorch and defines the numerics the Triton plugins mus
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -212,6 +214,19 @@ def rope_inv_freq(rope_dim: int, base: float, yarn: dict | None = None) -> torch
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     smooth = 1 - ramp  # 1 = keep the original frequency (high-frequency pairs), 0 = interpolate by `factor`
     return (inv / factor * (1 - smooth) + inv * smooth).float()
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_table(rope_dim: int, base: float, yarn_items: tuple | None, device: torch.device) -> torch.Tensor:
+    with torch.device("cpu"):
+        inv = rope_inv_freq(rope_dim, base, dict(yarn_items) if yarn_items else None)
+    return inv.to(device)
+
+
+def rope_table(rope_dim: int, base: float, yarn: dict | None, device) -> torch.Tensor:
+    """`rope_inv_freq` on `device`, made once per (table, device): computed, never a weight, so a model built on the
+    meta device and materialized later needs nothing re-derived."""
+    return _rope_table(rope_dim, float(base), tuple(sorted(yarn.items())) if yarn else None, torch.device(device))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

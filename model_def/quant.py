@@ -188,7 +188,7 @@ def quant_fp8_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     """fp32 [out, in] -> (e4m3 [out, in], e8m0 [ceil(out/b), ceil(in/b)]) with pow2 block scales."""
     out, inp = w.shape
     ro, ri = -(-out // block), -(-inp // block)
-    pad = torch.zeros(ro * block, ri * block)
+    pad = torch.zeros(ro * block, ri * block, device=w.device)
     pad[:out, :inp] = w.float()
     amax = pad.reshape(ro, block, ri, block).abs().amax((1, 3))
     s = pow2_scale(amax, FP8_MAX, FP8_MIN_AMAX)

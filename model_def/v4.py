@@ -19,7 +19,7 @@ from dsflash.model_def import dispatch, ragged
 from dsflash.model_def.config import V4Args
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
-                                      norm_pair, rope_inv_freq, sink_attention, sqrtsoftplus, stacked_or_each, tp_of)
+                                      norm_pair, rope_table, sink_attention, sqrtsoftplus, stacked_or_each, tp_of)
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
@@ -307,11 +307,8 @@ class Attention(nn.Module):
         self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
         self.compressor = Compressor(args, self.ratio, d, numerics, "kv", dtype) if self.ratio else None
         self.indexer = Indexer(args, numerics, mapping, comm, dtype) if self.ratio == OVERLAP_RATIO else None
-        if self.ratio:
-            inv_freq = rope_inv_freq(args.rope_dim, args.compress_rope_theta, args.yarn)
-        else:
-            inv_freq = rope_inv_freq(args.rope_dim, args.rope_theta, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope = (args.rope_dim, args.compress_rope_theta, args.yarn) if self.ratio else \
+            (args.rope_dim, args.rope_theta, None)
 
     def init_state(self, st: dict, B: int, dtype: torch.dtype, device: torch.device) -> None:
         st["win"] = torch.zeros(B, self.window, self.head_dim, dtype=dtype, device=device)  # slot = pos % window
@@ -324,7 +321,7 @@ class Attention(nn.Module):
         """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
         [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
         the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk."""
-        f, pos = self.inv_freq, rag.positions                                   # pos [1,T]
+        f, pos = rope_table(*self.rope, x.device), rag.positions                                  # pos [1,T]
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
         qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [1,T,h,d]

@@ -196,41 +196,28 @@ def concurrencies(text: str, flag: str = "--concurrency") -> list[int]:
 
 
 def dummy_engine(a: argparse.Namespace) -> str:
-    """Build (once; kept under --workspace) an engine of --model-preset with random weights for this machine."""
-    from dsflash.build.engine import current_arch, write_engine
-    from dsflash.build.plan import ARCH_LAYOUT, BuildConfig
-    from dsflash.convert.synth import synthesize
-    from dsflash.convert.writer import convert
+    """Build (once; kept under --workspace) an engine of --model-preset for this machine whose weights are drawn at
+    load time (`build.dummy`: no checkpoint, no rank files)."""
+    from dsflash.build.dummy import write_dummy_engine
+    from dsflash.build.engine import current_arch
+    from dsflash.build.plan import BuildConfig
     from dsflash.model_def import get_preset
     from dsflash.model_def.mapping import Mapping
     if not a.model_preset or "/" not in a.model_preset:
         raise ValueError("--load-format dummy needs --model-preset family/name (e.g. v41/tiny)")
     family, name = a.model_preset.split("/", 1)
-    if name == "full":
-        raise ValueError("--model-preset */full: full-size dummy weights are generated on the GPU by the batched GPU "
-                         "runner, which this build does not have yet; use a tiny or mid preset")
     args = get_preset(family, name)
     arch = current_arch()
     tune = {} if a.tune_budget_s is None else {"tune_budget_s": a.tune_budget_s}
     limits = BuildConfig(max_batch_size=a.max_batch_size or 64, max_num_tokens=a.max_num_tokens or 8192,
                          max_seq_len=a.max_seq_len or 8192, **tune)
-    root = Path(a.workspace) / f"{family}-{name}"
     tag = f"{arch}-tp{a.tp}" + (f"-ep{a.ep}" if a.ep else "") + \
           f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}" + \
           (f"-tune{limits.tune_budget_s:g}" if tune else "")
-    engine = root / f"engine-{tag}"
-    if (engine / "engine.json").is_file():
-        return str(engine)
-    hf = root / "hf"
-    if not (hf / "config.json").is_file():
-        synthesize(args, hf, seed=0)
-    src = hf
-    if ARCH_LAYOUT[arch] != "reference":
-        src = root / f"ckpt-{ARCH_LAYOUT[arch]}"
-        if not (src / "manifest.json").is_file():
-            convert(hf, src, ARCH_LAYOUT[arch], progress=False, log=lambda *_: None)
-    mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.ep)
-    write_engine(src, engine, mapping, arch, limits, progress=False)
+    engine = Path(a.workspace) / f"{family}-{name}" / f"engine-{tag}"
+    if not (engine / "engine.json").is_file():
+        write_dummy_engine(args, engine, Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.ep), arch,
+                           limits)
     return str(engine)
 
 

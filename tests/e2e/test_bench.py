@@ -109,8 +109,9 @@ def test_bad_inputs_exit_2_with_one_clear_message(tiny, tmp_path, capsys):
     assert "--concurrency values must be >= 1 or -1" in capsys.readouterr().err
     assert main(["throughput", "--engine", str(tmp_path), "--dataset", str(data)]) == 2
     assert "engine.json missing" in capsys.readouterr().err
-    assert main(["throughput", "--load-format", "dummy", "--model-preset", "v41/full", "--dataset", str(data)]) == 2
-    assert "full-size dummy weights" in capsys.readouterr().err
+    assert main(["throughput", "--load-format", "dummy", "--model-preset", "v41/full", "--workspace",
+                 str(tmp_path / "ws"), "--dataset", str(data)]) == 2   # (built, then refused before allocating)
+    assert "GiB of weights on cpu, which has" in capsys.readouterr().err
     assert main(["throughput", "--load-format", "dummy", "--model-preset", "v41/tiny", "--tune-budget-s", "-1",
                  "--dataset", str(data)]) == 2
     assert "--tune-budget-s must be >= 0, got -1.0" in capsys.readouterr().err
@@ -125,7 +126,8 @@ def test_bad_inputs_exit_2_with_one_clear_message(tiny, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_dummy_engine_tp2_under_mpirun_and_its_rank_simulation(tmp_path, capsys):
-    """--load-format dummy builds a TP2 engine of the preset once (kept in the workspace) and the run relaunches
+    """--load-format dummy builds a TP2 dummy-weight engine of the preset once (kept in the workspace; no rank files:
+    each rank draws its weights at load time) and the run relaunches
     itself on two ranks; `collectives` measures all-reduce time on two ranks; one rank simulated alone with that
     cost makes the same collectives as the real run."""
     ws = tmp_path / "ws"
@@ -139,9 +141,9 @@ def test_dummy_engine_tp2_under_mpirun_and_its_rank_simulation(tmp_path, capsys)
             "--concurrency", "2", "--warmup", "0", "--kv-cache-bytes", KV, "--report-json", str(rep), "--no-progress"]
     assert main(argv) == 0
     engines = list((ws / "v41-tiny-wide").glob("engine-cpu-tp2-*"))
-    assert len(engines) == 1 and (engines[0] / "rank1.safetensors").is_file()
-    assert engines[0].name.endswith("-tune0")
-    assert json.loads((engines[0] / "engine.json").read_text())["build_config"]["tune_budget_s"] == 0
+    assert len(engines) == 1 and engines[0].name.endswith("-tune0")
+    meta = json.loads((engines[0] / "engine.json").read_text())
+    assert meta["build_config"]["tune_budget_s"] == 0 and meta["weights"]["format"] == "dummy"
     doc = json.loads(rep.read_text())
     assert doc["world_info"]["world_size"] == 2 and doc["world_info"]["tp_size"] == 2
     assert doc["request_info"]["num_requests"] == 3 and doc["request_info"]["avg_output_length"] == 3

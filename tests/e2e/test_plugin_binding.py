@@ -50,7 +50,7 @@ def test_gpu_engines_select_plugins_and_bf16():
 
 def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog, v41_site_kinds):
     with caplog.at_level(logging.INFO, logger="dsflash.bind"):
-        model, eng = load_engine_model(sm90_engine, check_arch=False)
+        model, eng = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
     assert eng.meta["build_config"]["dtype"] == "" and next(model.parameters()).dtype == torch.bfloat16
     args = model.args
     layers = args.n_layers + args.n_draft
@@ -100,7 +100,7 @@ def test_every_site_is_bound_and_matches_its_reference(sm90_engine, caplog, v41_
 
 
 def test_site_parity_catches_a_wrong_binding(sm90_engine):
-    model, _ = load_engine_model(sm90_engine, check_arch=False)
+    model, _ = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
     moe = model.layers[2].ffn.plugin
     moe.w2_q.copy_(moe.w2_q.roll(1, 0))             # experts' w2 shifted by one: a stacking bug
     lin = model.layers[3].attn.wo_b.plugin
@@ -127,7 +127,7 @@ def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums, v41_site_kinds)
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-tp2", Mapping(world_size=2, tp_size=2), "sm90",
                        BuildConfig(), progress=False)
     for rank in (0, 1):
-        model, meta = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False)
+        model, meta = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False, dense_experts=True)
         assert (meta.meta["expert_inter_local"], meta.meta["expert_inter_padded"]) == (32, 64)
         assert model.layers[0].ffn.plugin.w13_q.shape[1] == 2 * 64 and model.layers[0].ffn.plugin.inter == 32
         ids = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(rank))
@@ -142,7 +142,7 @@ def test_ep2_ranks_bind_their_expert_blocks(hopper_ckpt, partial_sums):
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2),
                        "sm90", BuildConfig(), progress=False)
     for rank in (0, 1):
-        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False)
+        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank), check_arch=False, dense_experts=True)
         n = model.args.n_routed_experts // 2
         plugin = model.layers[0].ffn.plugin
         assert plugin is not None and plugin.expert_start == rank * n and plugin.w13_q.shape[0] == n
@@ -156,7 +156,7 @@ def test_overlapped_shared_expert_is_added_once(sm90_engine):
     """`mxfp4_overlap` (the V4.1 GPU default): the shared expert runs beside the MoE op (on the CPU in line) and its
     output joins the op's routed sum after it, instead of being the op's starting value: the same MoE output up to
     BF16 rounding, and not the routed sum alone."""
-    model, eng = load_engine_model(sm90_engine, check_arch=False)
+    model, eng = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
     assert eng.meta["plugins"]["moe"] == "mxfp4_overlap"
     moe = model.layers[0].ffn
     assert moe.plugin.overlap_shared
@@ -180,7 +180,7 @@ def test_disabled_plugin_keeps_its_reference(hopper_ckpt, caplog, capsys):
     assert build_main(["--ckpt", str(hopper_ckpt), "--arch", "sm90", "--out", str(out), "--disable-plugin", "gemm",
                        "--tune-budget-s", "0"]) == 0
     with caplog.at_level(logging.INFO, logger="dsflash.bind"):
-        model, eng = load_engine_model(out, check_arch=False)
+        model, eng = load_engine_model(out, check_arch=False, dense_experts=True)
     assert eng.meta["plugins"]["gemm"] == "reference" and eng.meta["plugins"]["moe"] == "mxfp4_overlap"
     assert eng.meta["build_config"]["disable_plugins"] == ["gemm"]
     assert FP8_GEMM.buckets(eng.meta) == [] and FP8_GEMM.buckets({**eng.meta, "plugins": default_plugins("sm90")})
@@ -222,7 +222,7 @@ def test_v4_engine_binds_fp8_linears_with_128_groups(tmp_path, preset, inter):
     convert(hf, tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
     eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90", BuildConfig(),
                        progress=False)
-    model, meta = load_engine_model(eng, check_arch=False)
+    model, meta = load_engine_model(eng, check_arch=False, dense_experts=True)
     assert meta.meta["plugins"]["gemm"] == "fp8_gemm" and meta.meta["plugins"]["moe"] == "mxfp4_overlap"
     assert all(b.ffn.plugin is not None and b.ffn.plugin.qblock == 128 and b.ffn.plugin.overlap_shared
                for b in [*model.layers, *model.mtp])
@@ -295,7 +295,7 @@ def test_v4_moe_plugin_under_tp2_and_ep2(tmp_path):
                          ("ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2))):
         eng = write_engine(tmp_path / "hop", tmp_path / tag, mapping, "sm90", BuildConfig(), progress=False)
         for rank in (0, 1):
-            model, _ = load_engine_model(eng, rank, comm=_TwoEqualRanks(rank), check_arch=False)
+            model, _ = load_engine_model(eng, rank, comm=_TwoEqualRanks(rank), check_arch=False, dense_experts=True)
             plugin = model.layers[0].ffn.plugin
             n = model.args.n_routed_experts // mapping.moe_ep_size
             assert plugin is not None and plugin.w13_q.shape[0] == n
@@ -318,7 +318,7 @@ def test_moe_plugin_routes_image_tokens_with_bias_vl(sm90_engine):
     """Image tokens select experts with `gate.bias_vl`: the MoE plugin takes a bias row per token, so on a mixed
     text/image batch each image row matches the reference MoE's image routing (up to the plugin's deploy-numerics
     difference, ~1e-2 here as for text) and is far from its text routing; text rows are unaffected."""
-    model, _ = load_engine_model(sm90_engine, check_arch=False)
+    model, _ = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
     ffn = model.layers[1].ffn
     x = (torch.randn(1, 10, model.args.hidden_size, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
     mask = torch.zeros(1, 10, dtype=torch.bool)

@@ -37,7 +37,7 @@ def engine(hopper_ckpt):
 
 
 def test_bound_sites_match_their_references(engine, v41_site_kinds):
-    model, _ = load_engine_model(engine)
+    model, _ = load_engine_model(engine, dense_experts=True)
     assert next(model.parameters()).is_cuda and next(model.parameters()).dtype == torch.bfloat16
     ids = torch.randint(0, model.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
     rows = site_parity(model, ids)
@@ -52,7 +52,7 @@ def test_shared_expert_overlap_matches_inline(engine, tmp_path):
     order of the shared term), eagerly and replayed from a CUDA graph, and really runs the shared expert on another
     stream than the router (profiler kernel events)."""
     from dsflash.model_def import dispatch
-    model, eng = load_engine_model(engine)
+    model, eng = load_engine_model(engine, dense_experts=True)
     assert eng.meta["plugins"]["moe"] == "mxfp4_overlap"
     moe = model.layers[0].ffn
     x = (torch.randn(1, 3, model.args.hidden_size, generator=torch.Generator().manual_seed(5)) * 2).to(
@@ -123,7 +123,7 @@ def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
     expected = task.continuation(prompts[:, -1], 32)
     outs = {}
     for plugins in (None, "reference"):
-        model, _ = load_engine_model(eng, plugins=plugins)
+        model, _ = load_engine_model(eng, plugins=plugins, dense_experts=True)
         outs[plugins] = model.generate_greedy(prompts.cuda(), 32)[:, 16:].cpu()
     assert torch.equal(outs[None], outs["reference"]), int((outs[None] == outs["reference"]).sum())
     assert torch.equal(outs["reference"], expected), int((outs["reference"] == expected).sum())
@@ -131,7 +131,7 @@ def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
 
 def test_missing_tuned_entries_are_logged_once(engine, caplog, v41_site_kinds):
     (engine / "tuned.json").unlink()
-    model, _ = load_engine_model(engine)
+    model, _ = load_engine_model(engine, dense_experts=True)
     ids = torch.randint(0, model.args.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4)).cuda()
     with caplog.at_level(logging.WARNING, logger="dsflash.plugins.tuning"):
         model.logits(ids)
@@ -153,7 +153,7 @@ def test_ep2_ranks_match_their_references(hopper_ckpt, partial_sums):
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-ep2", Mapping(world_size=2, tp_size=2, moe_ep_size=2),
                        "sm90", BuildConfig(max_num_tokens=8, tune_budget_s=0), progress=False)
     for rank in (0, 1):
-        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank))
+        model, _ = load_engine_model(eng, rank, comm=partial_sums(2, rank), dense_experts=True)
         n = model.args.n_routed_experts // 2
         assert model.layers[0].ffn.plugin.expert_start == rank * n
         for t in (1, 40):   # decode (the pair-list GEMVs) and prefill (the sorted MMA path)
@@ -177,7 +177,7 @@ def test_v4_engine_sites_match_their_references(tmp_path):
     for tuned in (True, False):
         if not tuned:
             (eng / "tuned.json").unlink()
-        model, _ = load_engine_model(eng)
+        model, _ = load_engine_model(eng, dense_experts=True)
         for t in (1, 40):
             ids = torch.randint(0, model.args.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).cuda()
             rows = site_parity(model, ids)

@@ -1,0 +1,100 @@
+"""Dummy-weight engines and lean loading: no rank files, weights drawn at load time in the engine's formats; the
+MoE plugin's experts and the Engram tables kept as stored, never dequantized whole; a rank that cannot fit is
+refused before anything is allocated."""
+import json
+
+import pytest
+import torch
+
+from dsflash.build.bind import site_parity
+from dsflash.build.cli import main as build_main
+from dsflash.build.engine import EngineError, load_engine_model, verify_engine, write_engine
+from dsflash.build.plan import BuildConfig
+from dsflash.convert.synth import synthesize
+from dsflash.model_def import get_preset, load_reference
+from dsflash.model_def.mapping import Mapping
+from dsflash.model_def.ragged import generate_greedy
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+
+def _build(tmp_path, name, *extra):
+    out = tmp_path / name
+    assert build_main(["--dummy-weights", "--out", str(out), "--tune-budget-s", "0", *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def dummy_cpu(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("dummy"), "cpu", "--preset", "v41/tiny")
+
+
+def test_engine_has_no_rank_files_and_draws_the_same_weights_each_load(dummy_cpu, tmp_path):
+    meta = json.loads((dummy_cpu / "engine.json").read_text())
+    assert meta["weights"] == {"format": "dummy", "seed": 0} and meta["ranks"][0]["file"] is None
+    assert not list(dummy_cpu.glob("*.safetensors")) and (dummy_cpu / "tokenizer.json").is_file()
+    verify_engine(dummy_cpu)
+    a, _ = load_engine_model(dummy_cpu)
+    b, _ = load_engine_model(dummy_cpu)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k].view(torch.uint8) if sa[k].element_size() == 1 else sa[k],
+                           sb[k].view(torch.uint8) if sb[k].element_size() == 1 else sb[k]) for k in sa)
+    assert all(not torch.equal(v, torch.zeros_like(v)) for k, v in sa.items() if v.is_floating_point()
+               and v.element_size() > 1)
+    tokens = generate_greedy(a, IDS, 4)
+    assert torch.equal(tokens, generate_greedy(b, IDS, 4))
+    other, _ = load_engine_model(_build(tmp_path, "seed1", "--preset", "v41/tiny", "--seed", "1"))
+    assert not torch.equal(other.layers[0].attn.wq_b.weight, a.layers[0].attn.wq_b.weight)
+
+
+def test_tp_ranks_draw_whole_tensors_alike_and_their_slices_apart(tmp_path, partial_sums):
+    eng = _build(tmp_path, "tp2", "--preset", "v41/tiny-wide", "--tp", "2")
+    r0, _ = load_engine_model(eng, 0, comm=partial_sums(2, 0))
+    r1, _ = load_engine_model(eng, 1, comm=partial_sums(2, 1))
+    assert torch.equal(r0.layers[0].attn_norm.weight, r1.layers[0].attn_norm.weight)      # replicated
+    assert torch.equal(r0.embed.weight, r1.embed.weight)                                   # (unsharded entry)
+    assert not torch.equal(r0.layers[0].attn.wq_b.weight, r1.layers[0].attn.wq_b.weight)  # column slices
+
+
+def test_moe_plugin_experts_stay_shape_only_and_change_nothing(tmp_path):
+    """An sm90 engine bound on this CPU (the plugins' references run): the routed experts get no dense weights, and
+    the model computes exactly what it does with them."""
+    eng = _build(tmp_path, "sm90", "--preset", "v41/tiny", "--arch", "sm90")
+    lean, _ = load_engine_model(eng, check_arch=False, device="cpu", dtype=torch.float32)
+    dense, _ = load_engine_model(eng, check_arch=False, device="cpu", dtype=torch.float32, dense_experts=True)
+    moe = lean.layers[0].ffn
+    assert moe.plugin is not None and all(p.is_meta for p in moe.experts.parameters())
+    assert not any(p.is_meta for n, p in lean.named_parameters() if ".experts." not in n)
+    assert not any(p.is_meta for p in dense.parameters())
+    with torch.no_grad():
+        assert torch.equal(lean.logits(IDS), dense.logits(IDS))
+    with pytest.raises(ValueError, match="dense_experts=True"):
+        site_parity(lean, IDS)
+
+
+def test_engram_table_is_kept_as_stored_and_looks_up_the_checkpoint_values(tmp_path):
+    hf = synthesize(get_preset("v41", "tiny"), tmp_path / "hf", seed=5)
+    eng = write_engine(hf, tmp_path / "eng", Mapping(), "cpu", BuildConfig(), progress=False)
+    model, _ = load_engine_model(eng)
+    ref = load_reference(hf)
+    for layer in model.args.engram_layer_ids:
+        table, want = model.layers[layer].engram.embed, ref.layers[layer].engram.embed.weight
+        assert table.weight.dtype == torch.float8_e4m3fn and table.scale.dtype == torch.uint8
+        idx = torch.randint(0, want.shape[0], (3, 5, 24), generator=torch.Generator().manual_seed(layer))
+        assert torch.equal(table.lookup(idx), want[idx])
+    with pytest.raises(ValueError, match="NaN encoding"):
+        table.set_stored(table.weight.data, torch.full_like(table.scale, 255))
+
+
+def test_a_rank_that_cannot_fit_is_refused_before_allocating(tmp_path):
+    eng = _build(tmp_path, "full", "--preset", "v41/full")
+    with pytest.raises(EngineError, match=r"rank 0 needs \d+\.\d GiB of weights on cpu, which has"):
+        load_engine_model(eng)
+
+
+def test_build_flags(tmp_path, capsys):
+    assert build_main(["--ckpt", str(tmp_path), "--dummy-weights", "--out", str(tmp_path / "x")]) == 2
+    assert "--dummy-weights goes with --preset" in capsys.readouterr().err
+    assert build_main(["--preset", "v41/tiny", "--out", str(tmp_path / "x")]) == 2
+    assert "a dummy-weight engine (--dummy-weights)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
