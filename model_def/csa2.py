@@ -19,7 +19,7 @@ from torch import nn
 
 from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
-                                      apply_rope, local_slice, norm_pair, rope_inv_freq, sink_attention,
+                                      apply_rope, local_slice, norm_pair, rope_table, sink_attention,
                                       stacked_or_each, tp_of, wide)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 from dsflash.model_def.ragged import Ragged, all_reduce_each
@@ -86,21 +86,11 @@ def select_candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, topk_blo
     return keep.repeat_interleave(block_size, dim=-1)[..., :t]
 
 
-@functools.lru_cache(maxsize=32)
-def _inv_freq(rope_dim: int, base: float, yarn_items: tuple | None) -> torch.Tensor:
-    return rope_inv_freq(rope_dim, base, dict(yarn_items) if yarn_items else None)
-
-
 def layer_inv_freq(args, layer: int, device: torch.device) -> torch.Tensor:
     """RoPE table of `layer`: compressing layers (ratio 2 and 1) use compress_rope_theta + YaRN, others plain."""
-    with torch.device("cpu"):
-        if args.ratio(layer) > 0:
-            yarn = args.yarn
-            inv = _inv_freq(args.rope_dim, float(args.compress_rope_theta),
-                            tuple(sorted(yarn.items())) if yarn else None)
-        else:
-            inv = _inv_freq(args.rope_dim, float(args.rope_theta), None)
-    return inv.to(device)
+    if args.ratio(layer) > 0:
+        return rope_table(args.rope_dim, args.compress_rope_theta, args.yarn, device)
+    return rope_table(args.rope_dim, args.rope_theta, None, device)
 
 
 # -- per-request caches --------------------------------------------------------------------------------------------
@@ -121,6 +111,42 @@ class SourceCache:
     @property
     def count(self) -> int:
         return self.kv.shape[1]
+
+
+class BatchedSource:
+    """A KV source's caches over a decode batch: compressed entries of all its requests end to end plus one zero
+    row (what an empty top-k slot reads), each request's first row, and the index keys padded to [N, T_max, d]."""
+
+    def __init__(self, caches: list[SourceCache]):
+        kv = [c.kv[0] for c in caches]
+        self.kv = torch.cat([*kv, kv[0].new_zeros(1, kv[0].shape[-1])])                 # [ΣT + 1, d]
+        counts = torch.tensor([c.count for c in caches], device=self.kv.device)
+        self.offsets = torch.cumsum(counts, 0) - counts                                   # [N]
+        self.index_k = torch.nn.utils.rnn.pad_sequence([c.index_k[0] for c in caches], batch_first=True)
+
+
+class DecodeBatch:
+    """A forward's single-token chunks (one request, one new token each: the decode steps) attended as one batch
+    in every layer, instead of one attention per request. Holds their contexts, positions [N,1], the selections of
+    the index sources ([N,1,k] top-k; "candidates": the block mask) and each KV source's batched caches."""
+
+    def __init__(self, members: list[int], ctxs: list):
+        self.members, self.index = members, set(members)
+        self.ctxs = [ctxs[i] for i in members]
+        self.positions = torch.cat([c.positions for c in self.ctxs])                  # [N, 1]
+        self.selections: dict = {}
+        self._sources: dict[int, BatchedSource] = {}
+
+    @classmethod
+    def of(cls, ctxs: list, shapes: list[tuple[int, int]], min_size: int = 2) -> "DecodeBatch | None":
+        members = [i for i, shape in enumerate(shapes) if shape == (1, 1)]
+        return cls(members, ctxs) if len(members) >= min_size else None
+
+    def compressed(self, source: int, refresh: bool) -> BatchedSource:
+        """The batched caches of `source` (rebuilt when `refresh`: its layer has just appended to them)."""
+        if refresh or source not in self._sources:
+            self._sources[source] = BatchedSource([c.state.sources[source] for c in self.ctxs])
+        return self._sources[source]
 
 
 # -- modules -------------------------------------------------------------------------------------------------------
@@ -272,11 +298,13 @@ class Attention(nn.Module):
         return self.wo_b(self.wo_a(o.flatten(-2).unflatten(-1, (self.g_local, -1))))
 
     # -- target model: the chunks of one forward -----------------------------------------------------------------
-    def forward(self, x: torch.Tensor, ctxs: list, rag: Ragged) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctxs: list, rag: Ragged, batch: "DecodeBatch | None" = None) -> torch.Tensor:
         """x [1,T,D] (after attn_norm; `rag` lays the chunks out) -> [1,T,D]. ctxs[i] (`ChunkContext` in v41.py)
         carries chunk i's positions, request state and per-forward selections. Every projection (queries, window
         rows, compressor, indexer queries, output) runs once over all T rows and the indexer's TP all-reduce once
-        for all chunks; the window, compressed caches (updated in place), top-k and attention chunk by chunk."""
+        for all chunks; the compressor's pooling (it appends to each request's cache) chunk by chunk. The window,
+        index scores, top-k and attention run once for `batch` (the forward's single-token chunks, see
+        `DecodeBatch`) and chunk by chunk for the others."""
         pos = rag.positions
         inv = layer_inv_freq(self.args, self.layer, x.device)
         q_res, q, kv = self._query_kv(x, pos, inv)
@@ -286,27 +314,70 @@ class Attention(nn.Module):
             kv_p, gate_p = self.compressor.project(x)
             comp = list(zip(rag.split(kv_p), none if gate_p is None else rag.split(gate_p)))
         iq = none if self.indexer is None else list(zip(*map(rag.split, self.indexer.queries(x, q_res, pos, inv))))
-        qs, windows, partials = rag.split(q), [], []
-        for ctx, kv_i, comp_i, iq_i in zip(ctxs, rag.split(kv), comp, iq):
-            windows.append(self._window_keys(ctx, kv_i))
-            if self.ratio:
-                cache = ctx.state.sources[self.kv_source]
-                if comp_i is not None:
-                    self._compress(comp_i, cache, inv, kv_i.shape[0], x.dtype)
-                if iq_i is not None:
-                    partials.append(self.indexer.partial_scores(*iq_i, cache.index_k))
+        kvs, qs = rag.split(kv), rag.split(q)
+        alone = [i for i in range(len(ctxs)) if batch is None or i not in batch.index]
+        if self.ratio and comp[0] is not None:   # a KV source: append the groups each chunk completes
+            for i in alone:
+                self._compress(comp[i], ctxs[i].state.sources[self.kv_source], inv, kvs[i].shape[0], x.dtype)
+            if batch is not None:
+                self._compress_batch(batch, [comp[i] for i in batch.members], inv, x.dtype)
+        windows, partials = {}, []
+        for i in alone:
+            windows[i] = self._window_keys(ctxs[i], kvs[i])
+            if self.ratio and iq[i] is not None:
+                partials.append(self.indexer.partial_scores(*iq[i], ctxs[i].state.sources[self.kv_source].index_k))
+        if batch is not None and self.ratio and iq[0] is not None:
+            cached = batch.compressed(self.kv_source, self.layer == self.kv_source)
+            q_b, w_b = (torch.cat([iq[i][k] for i in batch.members]) for k in (0, 1))
+            partials.append(self.indexer.partial_scores(q_b, w_b, cached.index_k))
         scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
-        out = []
-        for ctx, q_i, (keys, allowed) in zip(ctxs, qs, windows):
+        out = [None] * len(ctxs)
+        for i in alone:
+            ctx, (keys, allowed) = ctxs[i], windows[i]
             if self.ratio:
                 cache = ctx.state.sources[self.kv_source]
                 if self.indexer is not None:
-                    ctx.selections[self.layer] = self._select(next(scores), ctx.positions, cache, ctx.selections)
+                    ctx.selections[self.layer] = self._select(next(scores), ctx.positions, ctx.selections)
                 sel = ctx.selections[self.index_source]
                 keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
-            out.append(sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5))
+            out[i] = sink_attention(qs[i], keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        if batch is not None:
+            o = self._attend_batch(batch, torch.cat([qs[i] for i in batch.members]),
+                                   torch.cat([kvs[i] for i in batch.members]), next(scores, None))
+            for k, i in enumerate(batch.members):
+                out[i] = o[k:k + 1]
         return self._project(rag.join(out), pos, inv)
+
+    def _attend_batch(self, batch: "DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
+                      scores: torch.Tensor | None) -> torch.Tensor:
+        """The single-token chunks at once: q [N,1,h,d], kv [N,1,d] (their new window rows), scores [N,1,T_max]
+        (index sources) -> [N,1,h,d]. Keys: each request's window rows (right-aligned, shorter ones padded) and, on
+        compressing layers, the top-k compressed entries gathered from the batch's concatenated caches."""
+        keys, allowed = self._batch_window_keys(batch, kv)
+        if self.ratio:
+            cached = batch.compressed(self.kv_source, False)
+            if self.indexer is not None:
+                batch.selections[self.layer] = self._select(scores, batch.positions, batch.selections)
+            sel = batch.selections[self.index_source]                                   # [N,1,k], −1 = empty
+            rows = torch.where(sel >= 0, sel + cached.offsets.view(-1, 1, 1), cached.kv.shape[0] - 1)
+            keys = torch.cat([keys, cached.kv[rows[:, 0]].to(keys.dtype)], 1)            # [N, w+1+k, d]
+            allowed = torch.cat([allowed, sel >= 0], -1)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+
+    def _batch_window_keys(self, batch: "DecodeBatch", kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window keys [N, w+1, d] (the kept rows right-aligned, then the new row) and their mask [N,1,w+1]; each
+        request keeps its last window − 1 rows for the next step."""
+        olds = [ctx.state.window[self.layer] for ctx in batch.ctxs]
+        lens = [o.shape[1] for o in olds]
+        w = max(lens)
+        old = torch.cat([o if n == w else F.pad(o, (0, 0, w - n, 0)) for o, n in zip(olds, lens)])
+        keys = torch.cat([old.to(kv.dtype), kv], 1)
+        keep = self.window - 1
+        for k, (ctx, n) in enumerate(zip(batch.ctxs, lens)):
+            ctx.state.window[self.layer] = keys[k:k + 1, w + 1 - min(n + 1, keep):]
+        allowed = torch.arange(w + 1, device=kv.device) >= (w - torch.tensor(lens, device=kv.device)).unsqueeze(-1)
+        return keys, allowed.unsqueeze(1)
 
     def _window_keys(self, ctx, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's window keys (the kept rows, then its own kv [B,S,d]) and their causal window mask [B,S,·];
@@ -331,12 +402,41 @@ class Attention(nn.Module):
         rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
         cache.kv = torch.cat([cache.kv, rot.to(cache.kv.dtype)], 1)
 
-    def _select(self, scores: torch.Tensor, pos: torch.Tensor, cache: SourceCache, selections: dict) -> torch.Tensor:
-        """Top-k entries per query, −1 padded [B,S,index_topk], of the summed index scores [B,S,T]; the candidate
-        source also publishes its block mask."""
+    def _compress_batch(self, batch: "DecodeBatch", comps: list, inv: torch.Tensor, dtype: torch.dtype) -> None:
+        """`_compress` for the batch's single tokens at once: the requests whose group this token completes are
+        pooled, normed, keyed, rotated and quantized together; the others keep the token in their open group."""
+        caches = [ctx.state.sources[self.kv_source] for ctx in batch.ctxs]
+        r = self.ratio
+        if comps[0][1] is None:   # ratio 1: every token is its own entry (already normed by `project`)
+            done, latent = list(range(len(caches))), torch.cat([kv for kv, _ in comps])            # [N,1,d]
+        else:
+            done = [k for k, c in enumerate(caches) if c.buf_kv.shape[1] + 1 == r]
+            opened = set(range(len(caches))) - set(done)
+            for k in opened:
+                caches[k].buf_kv = torch.cat([caches[k].buf_kv, comps[k][0]], 1)
+                caches[k].buf_gate = torch.cat([caches[k].buf_gate, comps[k][1]], 1)
+            if not done:
+                return
+            kv = torch.cat([torch.cat([caches[k].buf_kv, comps[k][0]], 1) for k in done])          # [Nc, r, d]
+            gate = torch.cat([torch.cat([caches[k].buf_gate, comps[k][1]], 1) for k in done])
+            for k in done:
+                caches[k].buf_kv, caches[k].buf_gate = caches[k].buf_kv[:, :0], caches[k].buf_gate[:, :0]
+            latent = self.compressor.norm(pool_groups(kv, gate, r).to(dtype))                      # [Nc,1,d]
+        epos = torch.tensor([[caches[k].count * r] for k in done], device=latent.device)            # [Nc, 1]
+        keys = self.indexer.keys(latent, epos, inv)
+        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        for j, k in enumerate(done):
+            c = caches[k]
+            c.index_k = torch.cat([c.index_k, keys[j:j + 1].to(c.index_k.dtype)], 1)
+            c.kv = torch.cat([c.kv, rot[j:j + 1].to(c.kv.dtype)], 1)
+
+    def _select(self, scores: torch.Tensor, pos: torch.Tensor, selections: dict) -> torch.Tensor:
+        """Top-k entries per query, −1 padded [B,S,index_topk], of the summed index scores [B,S,T] (entries past a
+        query's visible count, padding included, never qualify); the candidate source also publishes its block
+        mask."""
         a = self.args
         counts = visible_counts(pos, self.ratio)
-        scores = scores.masked_fill(torch.arange(cache.count, device=scores.device) >= counts.unsqueeze(-1),
+        scores = scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) >= counts.unsqueeze(-1),
                                     float("-inf"))
         cand = a.candidate_source_layer_id
         if self.layer == cand:

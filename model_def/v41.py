@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def import dispatch, dspark, engram, ragged
-from dsflash.model_def.csa2 import Attention, SourceCache
+from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, wide)
 from dsflash.model_def.names import TensorEntry
@@ -391,6 +391,10 @@ class DeepseekV41Model(nn.Module):
         dev = chunks[0].ids.device
         ids = rag.join([c.ids for c in chunks])                                    # [1, T]
         ctxs = [ChunkContext(c.state, c.state.pos, pos) for c, pos in zip(chunks, rag.split(rag.positions))]
+        batch = DecodeBatch.of(ctxs, rag.shapes)
+        # the batch's tokens hash their Engram n-grams together when none is an image token
+        text_batch = [] if batch is None or any(chunks[i].image_mask is not None for i in batch.members) \
+            else batch.members
         image_mask = None
         if any(c.image_mask is not None for c in chunks):
             image_mask = rag.join([torch.zeros_like(c.ids, dtype=torch.bool) if c.image_mask is None
@@ -400,18 +404,16 @@ class DeepseekV41Model(nn.Module):
         captures = {}
         for block in self.layers:
             if block.engram is not None:
-                rows = rag.join([engram.engram_hash_ids(c.ids, self.engram_lookup(), c.image_mask, a, block.layer,
-                                                        c.state.engram_history) for c in chunks])
+                rows = rag.join(self._engram_rows(chunks, text_batch, block.layer))
                 X = block.engram(X, rows, None if image_mask is None else ~image_mask)
             if block.layer in a.dspark_target_layer_ids:
                 captures[block.layer] = wide(X).mean(-2)   # layer-entry streams after Engram, averaged
-            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctxs, rag), image_mask)
+            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctxs, rag, batch), image_mask)
         capture = (rag.split(torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1)) if captures
                    else [None] * len(chunks))
+        if a.engram_layer_ids:
+            self._advance_engram_history(chunks, text_batch)
         for c, cap in zip(chunks, capture):
-            if c.state.engram_history is not None:
-                comp = engram.engram_compress_ids(c.ids, self.engram_lookup(), c.image_mask)
-                c.state.engram_history = engram.engram_history_update(c.state.engram_history, comp)
             c.state.capture = cap
             c.state.pos += c.ids.shape[1]
         if last_only:   # only the rows that are sampled from pay for the vocabulary head
@@ -419,6 +421,34 @@ class DeepseekV41Model(nn.Module):
             X, pre = X[:, last], pre[:, last]
         logits = F.linear(wide(self.norm(hc_collapse(X, pre))), wide(self.head.weight))
         return rag.split_rows(logits[0]) if last_only else rag.split(logits)
+
+    def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
+        """Each chunk's Engram row ids [B_i, S_i, K]; the chunks `together` (single text tokens) in one hashing."""
+        a, lookup = self.args, self.engram_lookup()
+        rows: list[torch.Tensor | None] = [None] * len(chunks)
+        if together:
+            ids = torch.cat([chunks[i].ids for i in together])
+            history = torch.cat([chunks[i].state.engram_history for i in together])
+            both = engram.engram_hash_ids(ids, lookup, None, a, layer, history)
+            for k, i in enumerate(together):
+                rows[i] = both[k:k + 1]
+        return [r if r is not None else
+                engram.engram_hash_ids(c.ids, lookup, c.image_mask, a, layer, c.state.engram_history)
+                for r, c in zip(rows, chunks)]
+
+    def _advance_engram_history(self, chunks: list[Chunk], together: list[int]) -> None:
+        """Slide every chunk's Engram look-back past its tokens (the chunks `together` in one update)."""
+        lookup, joint = self.engram_lookup(), set(together)
+        if together:
+            ids = torch.cat([chunks[i].ids for i in together])
+            history = torch.cat([chunks[i].state.engram_history for i in together])
+            new = engram.engram_history_update(history, engram.engram_compress_ids(ids, lookup, None))
+            for k, i in enumerate(together):
+                chunks[i].state.engram_history = new[k:k + 1]
+        for i, c in enumerate(chunks):
+            if i not in joint:
+                comp = engram.engram_compress_ids(c.ids, lookup, c.image_mask)
+                c.state.engram_history = engram.engram_history_update(c.state.engram_history, comp)
 
     def logits(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full causal forward of [B,S] from an empty cache -> [B,S,V] fp32."""
