@@ -153,12 +153,14 @@ def engram_table_sizes(args) -> list[int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _hash_consts(key: tuple, n_compressed: int, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _hash_consts(key: tuple, n_compressed: int, layer_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(multipliers, primes, sub-table offsets) of a layer, made once per device (no copy per forward)."""
     primes = torch.tensor(_primes(*key)[layer_id], dtype=torch.long)          # [N-1, H]
     flat = primes.flatten()
     offsets = (torch.cumsum(flat, 0) - flat).view_as(primes)                  # per-layer table, (n, head) order
     mult = torch.tensor(engram_multipliers(layer_id, key[2], n_compressed), dtype=torch.long)
-    return mult, primes, offsets
+    return mult.to(device), primes.to(device), offsets.to(device)
 
 
 # -- hashing -------------------------------------------------------------------------------------------------------
@@ -195,8 +197,8 @@ def engram_hash_ids(token_ids: torch.Tensor, compressed_lookup: torch.Tensor, de
     n_ngram = args.engram_max_ngram_size
     b, s = token_ids.shape
     device = token_ids.device
-    mult, primes, offsets = (t.to(device) for t in
-                             _hash_consts(_layout_key(args), int(args.engram_compressed_vocab_size), layer_id))
+    mult, primes, offsets = _hash_consts(_layout_key(args), int(args.engram_compressed_vocab_size), layer_id,
+                                         device)
     lookup = compressed_lookup.to(device)
     pad = lookup[args.engram_pad_token_id]
     comp = engram_compress_ids(token_ids, lookup, dead_mask)

