@@ -1,11 +1,12 @@
 """One decode step of N requests: fused (one `step_chunks` forward for all) vs a forward per request.
 
     python3 benchmarks/step_chunks.py --engine out/demo/v41-tiny/engine-cpu-tp1 [--requests 1,8,32]
-        [--context 100] [--steps 20] [--json F]
+        [--context 100] [--steps 20] [--json F] [--kernel-time] [--simulate-rank R]
 
 Each request first gets a prompt of --context tokens (its own state), then every timed step feeds each request one
 token: "fused" runs them as one forward (what `dsflash serve` does), "per request" as N forwards (what
-`--batch-invariant` does). The best of three rounds of --steps steps is reported, in ms per step.
+`--batch-invariant` does). The best of three rounds of --steps steps is reported, in ms per step. On a GPU,
+--kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time.
 """
 from __future__ import annotations
 
@@ -25,15 +26,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _decoding(model, n: int, context: int, seed: int):
+    """n request states, each after a prompt of `context` tokens; -> (states, next_ids(steps) -> token tensors)."""
+    device = model.head.weight.device
+    g = torch.Generator().manual_seed(seed)
+    states = [model.new_state(1) for _ in range(n)]
+    model.step_chunks([Chunk(torch.randint(3, 1000, (1, context), generator=g).to(device), s) for s in states])
+    return states, lambda steps: [torch.randint(3, 1000, (1, 1), generator=g).to(device) for _ in range(steps * n)]
+
+
 def time_steps(model, n: int, context: int, steps: int, fused: bool) -> float:
     """Best-of-three ms per decode step of n requests."""
     device = model.head.weight.device
-    g = torch.Generator().manual_seed(n)
-    states = [model.new_state(1) for _ in range(n)]
-    model.step_chunks([Chunk(torch.randint(3, 1000, (1, context), generator=g).to(device), s) for s in states])
+    states, next_ids = _decoding(model, n, context, seed=n)
     best = float("inf")
     for _ in range(3):
-        ids = [torch.randint(3, 1000, (1, 1), generator=g).to(device) for _ in range(steps * n)]
+        ids = next_ids(steps)
         _sync(device)
         t = time.perf_counter()
         for i in range(steps):
@@ -48,6 +56,28 @@ def time_steps(model, n: int, context: int, steps: int, fused: bool) -> float:
     return best
 
 
+def kernel_time(model, n: int, context: int, steps: int) -> dict:
+    """Fused decode steps of n requests under the CUDA profiler: the GPU's kernel time and kernel count per step
+    (how much of a step's wall time the device is busy; the rest is the host's Python and launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    states, next_ids = _decoding(model, n, context, seed=100 + n)
+    ids = next_ids(steps + 1)
+    model.step_chunks([Chunk(ids[j], s) for j, s in enumerate(states)])
+    _sync(model.head.weight.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(1, steps + 1):
+            model.step_chunks([Chunk(ids[i * n + j], s) for j, s in enumerate(states)])
+        _sync(model.head.weight.device)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    return {"kernel_ms": round(busy_us / steps / 1e3, 3), "kernels": round(len(kernels) / steps, 1),
+            "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True)
@@ -55,19 +85,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=100, help="prompt tokens per request before the timed steps")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--simulate-rank", type=int, default=None,
+                   help="a multi-rank engine: this rank alone, its all-reduces local no-ops (design.md §5)")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="on a GPU, also profile the fused steps: kernel ms and kernels per step")
     a = p.parse_args(argv)
-    model = load_engine_model(a.engine)[0]
+    if a.simulate_rank is None:
+        model = load_engine_model(a.engine)[0]
+    else:
+        from dsflash.serve.llm_engine import _simulated_comm
+        comm = _simulated_comm(a.engine, a.simulate_rank, None)
+        model = load_engine_model(a.engine, a.simulate_rank, comm=comm)[0]
     rows = []
     for n in (int(v) for v in a.requests.split(",")):
         fused = time_steps(model, n, a.context, a.steps, fused=True)
         alone = time_steps(model, n, a.context, a.steps, fused=False)
         rows.append({"requests": n, "fused_ms": round(fused, 2), "per_request_ms": round(alone, 2),
                      "speedup": round(alone / fused, 2)})
-    print("| requests | fused ms/step | per-request ms/step | speedup |\n|---|---|---|---|")
+        if a.kernel_time:
+            rows[-1] |= kernel_time(model, n, a.context, min(a.steps, 5))
+    print("| requests | fused ms/step | per-request ms/step | speedup | GPU kernel ms/step | kernels/step |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['requests']} | {r['fused_ms']} | {r['per_request_ms']} | {r['speedup']} |")
+        print(f"| {r['requests']} | {r['fused_ms']} | {r['per_request_ms']} | {r['speedup']} | "
+              f"{r.get('kernel_ms', '-')} | {r.get('kernels', '-')} |")
     if a.json:
-        meta = {"engine": a.engine, "context": a.context, "steps": a.steps,
+        meta = {"engine": a.engine, "simulate_rank": a.simulate_rank, "context": a.context, "steps": a.steps,
                 "device": str(model.head.weight.device), "torch": torch.__version__}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

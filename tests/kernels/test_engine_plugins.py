@@ -127,6 +127,22 @@ def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
         outs[plugins] = model.generate_greedy(prompts.cuda(), 32)[:, 16:].cpu()
     assert torch.equal(outs[None], outs["reference"]), int((outs[None] == outs["reference"]).sum())
     assert torch.equal(outs["reference"], expected), int((outs["reference"] == expected).sum())
+    # the served path: lean loading (routed experts in MXFP4 only), one fused forward per scheduler step, the decode
+    # tokens of all requests through one batched attention; requests arrive two steps apart, so prompt chunks run
+    # beside decode tokens
+    from dsflash.serve.llm_engine import LLMEngine, Request, SamplingParams
+    served = LLMEngine(str(eng), kv_cache_bytes=1 << 28)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    pending = [Request(f"r{i}", p.tolist(), SamplingParams(max_tokens=32, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    while pending or served.has_work():
+        if pending:
+            served.add_request(pending.pop(0))
+        for _ in range(2):
+            for o in served.step():
+                got[o.request_id] += o.new_token_ids
+    for i in range(len(prompts)):
+        assert got[f"r{i}"] == expected[i].tolist(), (i, got[f"r{i}"], expected[i].tolist())
 
 
 def test_missing_tuned_entries_are_logged_once(engine, caplog, v41_site_kinds):
