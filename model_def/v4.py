@@ -238,6 +238,46 @@ class Compressor(nn.Module):
         return st[key + ".cache"]
 
 
+    def pool_decode(self, proj: tuple[torch.Tensor, torch.Tensor], starts: list[int], sts: list[dict], key: str,
+                    inv_freq: torch.Tensor) -> list[torch.Tensor]:
+        """`pool` for N requests feeding one token each: proj [N,1,·] at positions starts; -> each request's whole
+        compressed cache [1,T_i,dim]. The requests whose group the token completes pool theirs together."""
+        kv, sc = proj
+        r, d, dev = self.ratio, self.dim, kv.device
+        pos = torch.tensor(starts, device=dev)
+        slot = pos % r                                   # the token's row in its group
+        sc = sc + self.ape[slot].unsqueeze(1)
+        rows = torch.arange(len(starts), device=dev)
+        # pending rows with the token written at its slot: an open group's new pending rows, a completed one's group
+        pend_kv = torch.cat([st[key + ".pend_kv"] for st in sts]).index_put((rows, slot), kv[:, 0])   # [N,r,c*d]
+        pend_sc = torch.cat([st[key + ".pend_sc"] for st in sts]).index_put((rows, slot), sc[:, 0])
+        done = [k for k, p in enumerate(starts) if p % r == r - 1]
+        for k, st in enumerate(sts):
+            if starts[k] % r != r - 1:
+                st[key + ".pend_kv"], st[key + ".pend_sc"] = pend_kv[k:k + 1], pend_sc[k:k + 1]
+        if done:
+            kv, sc = pend_kv[done].unsqueeze(1), pend_sc[done].unsqueeze(1)            # [Nd,1,r,c*d]
+            if self.overlap:
+                prev_kv = torch.stack([sts[k][key + ".prev_kv"][0] for k in done]).unsqueeze(1)   # [Nd,1,r,d]
+                prev_sc = torch.stack([sts[k][key + ".prev_sc"][0] for k in done]).unsqueeze(1)
+                for j, k in enumerate(done):
+                    sts[k][key + ".prev_kv"], sts[k][key + ".prev_sc"] = kv[j:j + 1, -1, :, :d], sc[j:j + 1, -1, :, :d]
+                kv = torch.cat([prev_kv, kv[..., d:]], 2)                               # [Nd,1,2r,d]
+                sc = torch.cat([prev_sc, sc[..., d:]], 2)
+            e = (kv * sc.softmax(2)).sum(2)                                             # [Nd,1,d]
+            e = rms_norm(e, self.norm.eps, self.norm.weight)
+            e = apply_rope(e, pos[done].unsqueeze(1) // r * r, inv_freq)
+            if self.numerics.deploy:
+                if self.kind == "index":
+                    e = _index_quant(e)
+                else:
+                    e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+            for j, k in enumerate(done):
+                cache = sts[k][key + ".cache"]
+                sts[k][key + ".cache"] = torch.cat([cache, e[j:j + 1].to(cache.dtype)], 1)
+        return [st[key + ".cache"] for st in sts]
+
+
 class Indexer(nn.Module):
     """Lightning indexer (§2.6): per query, the top-`index_topk` visible ratio-4 entries by Σ_h w_h·ReLU(q_h·k_t)."""
 
@@ -276,6 +316,27 @@ class Indexer(nn.Module):
         # chunked prefill picks what a full forward picks; picks past the visible range are dropped (the −1 slots)
         top = score.argsort(dim=-1, descending=True, stable=True)[..., :min(self.topk, T)]
         return torch.zeros_like(visible).scatter(-1, top, visible.gather(-1, top))
+
+
+class _DecodeBatch:
+    """A forward's single-token chunks (`members`, one request each) attended as one batch in a layer: their start
+    positions, layer states and positions [N,1]; `entries`: their compressed caches once pooled."""
+
+    def __init__(self, members: list[int], starts: list[int], states: list[dict], device):
+        self.members = members
+        self.starts = [starts[i] for i in members]
+        self.states = [states[i] for i in members]
+        self.positions = torch.tensor(self.starts, device=device).unsqueeze(1)                   # [N,1]
+        self.entries: list[torch.Tensor] | None = None
+
+    def stack(self, parts: list) -> tuple[torch.Tensor, ...]:
+        """The members' per-chunk tuples of [1,1,...] tensors -> one tuple of [N,1,...] tensors."""
+        return tuple(torch.cat(t) for t in zip(*(parts[i] for i in self.members)))
+
+
+def _padded(caches: list[torch.Tensor]) -> torch.Tensor:
+    """Caches [1,T_i,d] -> [N,T_max,d], zero rows after each one's end."""
+    return torch.nn.utils.rnn.pad_sequence([c[0] for c in caches], batch_first=True)
 
 
 class Attention(nn.Module):
@@ -317,10 +378,12 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
-    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: list[int] | None = None
+                ) -> torch.Tensor:
         """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
         [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
-        the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk."""
+        the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk, except for
+        the single-token chunks listed in `decode` (the decode steps), which attend as one batch (`_attend_batch`)."""
         f, pos = rope_table(*self.rope, x.device), rag.positions                                  # pos [1,T]
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
         qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
@@ -335,28 +398,72 @@ class Attention(nn.Module):
         if self.indexer is not None:
             idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
                            zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
-        windows, entries, partials = [], [], []
-        for p0, st, pos_i, kv_i, comp_i, idx_i in zip(rag.starts, states, rag.split(pos), rag.split(kv), comp, idx):
-            windows.append(self._window_keys(p0, pos_i[0], st, kv_i))
-            if comp_i is not None:
-                entries.append(self.compressor.pool(comp_i, p0, st, "kv", f))  # [B,T,d]
-            if idx_i is not None:
-                k = self.indexer.compressor.pool(idx_i[0], p0, st, "idx", f)
-                partials.append(self.indexer.partial_scores(*idx_i[1], k))
+        batch = set(decode or ())
+        alone = [i for i in range(len(states)) if i not in batch]
+        qs, kvs, poss = rag.split(q), rag.split(kv), rag.split(pos)
+        windows, entries, partials = {}, {}, []
+        for i in alone:
+            p0, st = rag.starts[i], states[i]
+            windows[i] = self._window_keys(p0, poss[i][0], st, kvs[i])
+            if comp[i] is not None:
+                entries[i] = self.compressor.pool(comp[i], p0, st, "kv", f)  # [B,T,d]
+            if idx[i] is not None:
+                k = self.indexer.compressor.pool(idx[i][0], p0, st, "idx", f)
+                partials.append(self.indexer.partial_scores(*idx[i][1], k))
+        if batch:
+            decoding = _DecodeBatch(decode, rag.starts, states, x.device)
+            if self.compressor is not None:
+                decoding.entries = self.compressor.pool_decode(decoding.stack(comp), decoding.starts,
+                                                               decoding.states, "kv", f)
+            if self.indexer is not None:
+                keys = self.indexer.compressor.pool_decode(decoding.stack([c for c, _ in idx]), decoding.starts,
+                                                           decoding.states, "idx", f)
+                partials.append(self.indexer.partial_scores(*decoding.stack([qw for _, qw in idx]), _padded(keys)))
         scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
-        out = []
-        for pos_i, q_i, (keys, allowed), ckv in zip(rag.split(pos), rag.split(q), windows, entries or none):
+        out = [None] * len(states)
+        for i in alone:
+            (keys, allowed), ckv, q_i = windows[i], entries.get(i), qs[i]
             if ckv is not None:
                 B, S, T = *q_i.shape[:2], ckv.shape[1]
                 if self.indexer is not None:
-                    sel = self.indexer.select(next(scores), pos_i[0])
+                    sel = self.indexer.select(next(scores), poss[i][0])
                 else:  # HCA: every complete group
-                    sel = (torch.arange(T, device=x.device) < ((pos_i[0] + 1) // self.ratio).unsqueeze(-1)
+                    sel = (torch.arange(T, device=x.device) < ((poss[i][0] + 1) // self.ratio).unsqueeze(-1)
                            ).expand(B, S, T)
                 keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, sel], -1)
-            out.append(sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5))
+            out[i] = sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        if batch:
+            o = self._attend_batch(decoding, torch.cat([qs[i] for i in decode]), torch.cat([kvs[i] for i in decode]),
+                                   next(scores, None))
+            for k, i in enumerate(decode):
+                out[i] = o[k:k + 1]
         return self._project(rag.join(out), pos, f)
+
+    def _attend_batch(self, batch: "_DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
+                      scores: torch.Tensor | None) -> torch.Tensor:
+        """The single-token chunks at once: q [N,1,h,d], kv [N,1,d] (their window rows), scores [N,1,T_max] (the
+        indexer's, summed over the ranks) -> [N,1,h,d]. Keys: each request's window ring and new row, then its
+        compressed entries, padded to the longest cache (padding is never visible)."""
+        W, pos = self.window, batch.positions                                                     # pos [N,1]
+        ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W   # [N,W] (< 0: empty slot)
+        kpos = torch.cat([ring_pos, pos], 1)                                                      # [N,W+1]
+        allowed = ((kpos >= 0) & (kpos > pos - W)).unsqueeze(1)                                   # [N,1,W+1]
+        rings = torch.cat([st["win"] for st in batch.states])                                     # [N,W,d]
+        keys = torch.cat([rings, kv.to(rings.dtype)], 1)
+        written = rings.index_put((torch.arange(len(batch.states), device=pos.device), pos[:, 0] % W),
+                                  kv[:, 0].to(rings.dtype))
+        for k, st in enumerate(batch.states):
+            st["win"] = written[k:k + 1]
+        if batch.entries is not None:
+            ckv = _padded(batch.entries)                                                          # [N,T_max,d]
+            if self.indexer is not None:
+                sel = self.indexer.select(scores, pos)
+            else:  # HCA: every complete group
+                sel = (torch.arange(ckv.shape[1], device=pos.device) < ((pos + 1) // self.ratio)).unsqueeze(1)
+            keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
+            allowed = torch.cat([allowed, sel], -1)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
 
     def _window_keys(self, pos0: int, pos: torch.Tensor, st: dict,
                      kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -596,9 +703,11 @@ class DeepseekV4Model(nn.Module):
         rag = Ragged.of(chunks)
         ids = rag.join([c.ids for c in chunks])                                 # [1,T]
         X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+        decode = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]   # attended as one batch (≥ 2)
+        decode = decode if len(decode) >= 2 else None
         for i, blk in enumerate(self.layers):
             states = [c.state.layers[i] for c in chunks]
-            X = blk(X, ids, lambda x, blk=blk, states=states: blk.attn(x, states, rag))
+            X = blk(X, ids, lambda x, blk=blk, states=states: blk.attn(x, states, rag, decode))
         for c in chunks:
             c.state.pos += c.ids.shape[1]
         return rag, X

@@ -102,10 +102,11 @@ def test_ragged_layout():
 
 
 def test_many_decoding_requests_attend_as_one_batch(model, monkeypatch):
-    """Six requests whose caches differ in length (below and above the window, the top-k and the candidate blocks)
-    decode together for several steps: the single-token chunks attend as one batch (V4.1) and every request's
-    logits equal what it computes alone."""
-    lengths = [3, 17, 33, 41, 64, 90]
+    """Eight requests whose caches differ in length (below and above the window, the top-k, the candidate blocks and
+    V4's ratio-128 group, which one of them completes while batched)
+    decode together for several steps: the single-token chunks attend as one batch and every request's logits
+    equal what it computes alone."""
+    lengths = [3, 17, 33, 41, 64, 90, 122, 200]
     steps = 6
     prompts = [_prompt(20 + i, n) for i, n in enumerate(lengths)]
     want = []
@@ -118,17 +119,18 @@ def test_many_decoding_requests_attend_as_one_batch(model, monkeypatch):
     batched = []
     if model.args.family == "v41":
         from dsflash.model_def.csa2 import Attention
-        real = Attention._attend_batch
-        monkeypatch.setattr(Attention, "_attend_batch",
-                            lambda self, b, *a: batched.append(len(b.members)) or real(self, b, *a))
+    else:
+        from dsflash.model_def.v4 import Attention
+    real = Attention._attend_batch
+    monkeypatch.setattr(Attention, "_attend_batch",
+                        lambda self, b, *a: batched.append(len(b.members)) or real(self, b, *a))
     states = [model.new_state(1) for _ in prompts]
     got = [[model.step(torch.tensor([p]), s)[0, -1]] for p, s in zip(prompts, states)]
     for _ in range(steps):
         out = model.step_chunks([Chunk(torch.tensor([[int(g[-1].argmax())]]), s) for g, s in zip(got, states)])
         for g, logits in zip(got, out):
             g.append(logits[0])
-    if model.args.family == "v41":
-        assert batched and set(batched) == {len(prompts)}
+    assert batched and set(batched) == {len(prompts)}
     for g, w in zip(got, want):
         assert [int(a.argmax()) for a in g] == [int(b.argmax()) for b in w]
         for a, b in zip(g, w, strict=True):

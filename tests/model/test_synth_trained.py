@@ -1,6 +1,6 @@
 """Trained synthetic checkpoints (convert/synth_train.py): fitted to a token permutation, the tiny V4.1 model's
 greedy tokens no longer depend on how it rounds (hf fp32, deploy fp32, deploy BF16 agree token for token, on the
-task's answer), yet a gross bug such as a mis-stacked expert still changes them."""
+task's answer), yet a gross bug such as experts stacked off by one still changes them."""
 from __future__ import annotations
 
 import json
@@ -45,20 +45,22 @@ def test_every_numerics_gives_the_same_greedy_tokens(trained, prompts, numerics,
     assert torch.equal(out, expected), f"{int((out == expected).sum())} / {expected.numel()} tokens"
 
 
-def test_a_mis_stacked_expert_changes_the_tokens(trained, prompts):
+def test_mis_stacked_experts_change_the_tokens(trained, prompts):
+    """Experts stacked off by one (expert e holds e + 1's weights, every layer) change most greedy tokens. (A swap of
+    experts 0 and 1 alone left all 96 tokens unchanged on one CPU: too weak a bug to check against.)"""
     p, expected = prompts
     model = load_reference(trained, "deploy")
     params = dict(model.named_parameters())
+    E = model.args.n_routed_experts
     with torch.no_grad():
         for layer in range(model.args.num_hidden_layers):
             for w in ("w1", "w2", "w3"):
-                a = params[f"layers.{layer}.ffn.experts.0.{w}.weight"]
-                b = params[f"layers.{layer}.ffn.experts.1.{w}.weight"]
-                a_old = a.clone()
-                a.copy_(b)
-                b.copy_(a_old)
+                ws = [params[f"layers.{layer}.ffn.experts.{e}.{w}.weight"] for e in range(E)]
+                stacked = [t.clone() for t in ws]
+                for e in range(E):
+                    ws[e].copy_(stacked[(e + 1) % E])
     out = model.generate_greedy(p, NEW_TOKENS)[:, p.shape[1]:]
-    assert not torch.equal(out, expected)
+    assert int((out == expected).sum()) < expected.numel() // 2
 
 
 def test_bad_training_requests_are_refused(tmp_path):
