@@ -20,7 +20,7 @@ from torch import nn
 from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
                                       apply_rope, local_slice, norm_pair, rope_table, sink_attention,
-                                      stacked_or_each, tp_of, wide)
+                                      stacked_or_each, tp_of, wide, wide_weight)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 from dsflash.model_def.ragged import Ragged, all_reduce_each
 
@@ -169,7 +169,7 @@ class Compressor(nn.Module):
         (the reference upcasts the ratio-2 compressor)."""
         if self.wgate is None:  # ratio 1: every token is its own entry, no pooling
             return self.norm(self.wkv(x)), None
-        return F.linear(wide(x), wide(self.wkv.weight)), F.linear(wide(x), wide(self.wgate.weight))
+        return F.linear(wide(x), wide_weight(self.wkv.weight)), F.linear(wide(x), wide_weight(self.wgate.weight))
 
     def pool(self, proj: tuple[torch.Tensor, torch.Tensor | None], cache: SourceCache,
              dtype: torch.dtype) -> torch.Tensor:

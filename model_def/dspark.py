@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def.csa2 import layer_inv_freq
-from dsflash.model_def.layers import Linear, Numerics, RMSNorm, hc_collapse, wide
+from dsflash.model_def.layers import Linear, Numerics, RMSNorm, hc_collapse, wide, wide_weight
 
 
 class MarkovHead(nn.Module):
@@ -32,7 +32,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev token ids [B] -> fp32 logit bias [B, V]."""
-        return F.linear(wide(self.embed(prev)), wide(self.head.weight))
+        return F.linear(wide(self.embed(prev)), wide_weight(self.head.weight))
 
 
 class ConfidenceHead(nn.Module):
@@ -129,7 +129,7 @@ def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
         X, pre = stage(X, pre, lambda x, st=stage, r=ring: st.attn.draft_forward(x, r, valid, frames), None)
     last = model.mtp[-1]
     hidden = hc_collapse(X, pre)                                   # collapsed, un-normed: feeds the confidence head
-    base = F.linear(wide(last.norm(hidden)), wide(model.head.weight))
+    base = F.linear(wide(last.norm(hidden)), wide_weight(model.head.weight))
     prevs, logits = [bonus.long()], []
     for j in range(k):                      # sequential refinement: the bias depends on the token just drafted
         logits.append(base[:, j] + last.markov_head.bias(prevs[-1]))

@@ -26,6 +26,23 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def wide_weight(w: torch.Tensor) -> torch.Tensor:
+    """`wide(w)` of a weight that fp32 math reads in every forward (the vocabulary head, the compressors, the
+    router), made once and kept beside it, as the official reference upcasts these at load: a BF16 engine would
+    otherwise cast the 129280-row head (1.3 GB in, 2.6 GB out) in every decode step. Rebuilt when w changes in place
+    or moves; not kept while autograd records (training)."""
+    if w.dtype in (torch.float32, torch.float64):
+        return w
+    if torch.is_grad_enabled() and w.requires_grad:
+        return wide(w)
+    key = (w.data_ptr(), w._version, w.device)
+    kept = getattr(w, "_dsflash_wide", None)
+    if kept is None or kept[0] != key:
+        kept = (key, wide(w))
+        w._dsflash_wide = kept
+    return kept[1]
+
+
 @dataclass(frozen=True)
 class Numerics:
     """`hf`: what transformers computes. `deploy`: + FP8 1×act_block activation quantization before FP8/FP4 linears."""

@@ -25,7 +25,7 @@ from torch import nn
 from dsflash.model_def import dispatch, dspark, engram, ragged
 from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
 from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
-                                      sqrtsoftplus, tp_of, wide)
+                                      sqrtsoftplus, tp_of, wide, wide_weight)
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.ragged import Chunk, Ragged
 
@@ -153,7 +153,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, D], image_mask [N] bool -> (weights [N, k], expert ids [N, k])."""
-        scores = sqrtsoftplus(F.linear(wide(x), wide(self.weight)) / self.temp)
+        scores = sqrtsoftplus(F.linear(wide(x), wide_weight(self.weight)) / self.temp)
         idx = (scores + self.selection_bias(image_mask)).topk(self.topk, dim=-1).indices
         w = scores.gather(1, idx)
         if self.norm and self.topk > 1:
@@ -423,7 +423,7 @@ class DeepseekV41Model(nn.Module):
         if last_only:   # only the rows that are sampled from pay for the vocabulary head
             last = rag.last_rows(dev)
             X, pre = X[:, last], pre[:, last]
-        logits = F.linear(wide(self.norm(hc_collapse(X, pre))), wide(self.head.weight))
+        logits = F.linear(wide(self.norm(hc_collapse(X, pre))), wide_weight(self.head.weight))
         return rag.split_rows(logits[0]) if last_only else rag.split(logits)
 
     def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
