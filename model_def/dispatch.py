@@ -208,7 +208,7 @@ def shared_expert_forked(plugin: MXFP4MoE, shared_expert, x: torch.Tensor) -> Fo
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rd/2] fp32 of positions (flattened to [T]), the angles of `layers.apply_rope`."""
-    return tuple(t.float().contiguous() for t in rope_angles(positions.reshape(-1), inv_freq))
+    return tuple(t.reshape(-1, t.shape[-1]).contiguous() for t in rope_angles(positions, inv_freq, torch.float32))
 
 
 def wo_a_inverse_rope(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -216,6 +216,6 @@ def wo_a_inverse_rope(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     """The WO-A plugin: inverse RoPE at the query positions + the grouped `wo_a`. o [B,S,h,d] -> [B,S,G·r] (o's
     dtype)."""
     b, s = o.shape[:2]
-    cos, sin = rope_cos_sin(positions.expand(b, s), inv_freq)
+    cos, sin = rope_cos_sin(positions if positions.shape == (b, s) else positions.expand(b, s), inv_freq)
     z = ops().wo_a(o.reshape(b * s, *o.shape[2:]).to(torch.bfloat16).contiguous(), cos, sin, weight)
     return z.view(b, s, -1).to(o.dtype)

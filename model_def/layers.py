@@ -246,10 +246,21 @@ def rope_table(rope_dim: int, base: float, yarn: dict | None, device) -> torch.T
     return _rope_table(rope_dim, float(base), tuple(sorted(yarn.items())) if yarn else None, torch.device(device))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., rd/2] of positions [...] × inv_freq, taken in float64 (the angles reach 1e5+ radians)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., rd/2] of positions [...] × inv_freq, taken in float64 (the angles reach 1e5+ radians), returned
+    in `dtype`. Kept on the positions tensor: a forward's positions are rotated by every layer (queries, keys,
+    indexer queries, the output's inverse) with a few tables, so each table's angles are taken once per forward."""
+    kept = getattr(positions, "_dsflash_rope", None)
+    key = (id(inv_freq), dtype, positions._version)
+    if kept is not None and key in kept and kept[key][0] is inv_freq:
+        return kept[key][1]
     ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
-    return ang.cos(), ang.sin()
+    out = (ang.cos().to(dtype), ang.sin().to(dtype))
+    if kept is None:
+        kept = positions._dsflash_rope = {}
+    kept[key] = (inv_freq, out)
+    return out
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -258,7 +269,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     x: [..., S, d] or [..., S, H, d]; positions: [S] or [B, S] (broadcast against x's leading dims).
     """
     rd = inv_freq.numel() * 2
-    cos, sin = (t.to(wide(x).dtype) for t in rope_cos_sin(positions, inv_freq))   # [.., S, rd/2]
+    cos, sin = rope_cos_sin(positions, inv_freq, wide(x).dtype)   # [.., S, rd/2]
     if inverse:
         sin = -sin
     if x.dim() == positions.dim() + 2:  # heads axis between S and d
