@@ -117,10 +117,9 @@ class BatchedSource:
     """A KV source's caches over a decode batch: compressed entries of all its requests end to end plus one zero
     row (what an empty top-k slot reads), each request's first row, and the index keys padded to [N, T_max, d]."""
 
-    def __init__(self, caches: list[SourceCache]):
+    def __init__(self, caches: list[SourceCache], counts: torch.Tensor):
         kv = [c.kv[0] for c in caches]
         self.kv = torch.cat([*kv, kv[0].new_zeros(1, kv[0].shape[-1])])                 # [ΣT + 1, d]
-        counts = torch.tensor([c.count for c in caches], device=self.kv.device)
         self.offsets = torch.cumsum(counts, 0) - counts                                   # [N]
         self.index_k = torch.nn.utils.rnn.pad_sequence([c.index_k[0] for c in caches], batch_first=True)
 
@@ -136,6 +135,7 @@ class DecodeBatch:
         self.positions = torch.cat([c.positions for c in self.ctxs])                  # [N, 1]
         self.selections: dict = {}
         self._sources: dict[int, BatchedSource] = {}
+        self._ints: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
     def of(cls, ctxs: list, shapes: list[tuple[int, int]], min_size: int = 2) -> "DecodeBatch | None":
@@ -145,8 +145,17 @@ class DecodeBatch:
     def compressed(self, source: int, refresh: bool) -> BatchedSource:
         """The batched caches of `source` (rebuilt when `refresh`: its layer has just appended to them)."""
         if refresh or source not in self._sources:
-            self._sources[source] = BatchedSource([c.state.sources[source] for c in self.ctxs])
+            caches = [c.state.sources[source] for c in self.ctxs]
+            self._sources[source] = BatchedSource(caches, self.ints([c.count for c in caches]))
         return self._sources[source]
+
+    def ints(self, values) -> torch.Tensor:
+        """Host ints (cache lengths, entry positions) as a device tensor, copied once per forward however many
+        layers ask for the same values (they repeat from layer to layer); never written."""
+        key = tuple(int(v) for v in values)
+        if key not in self._ints:
+            self._ints[key] = torch.tensor(key, dtype=torch.long, device=self.positions.device)
+        return self._ints[key]
 
 
 # -- modules -------------------------------------------------------------------------------------------------------
@@ -376,7 +385,7 @@ class Attention(nn.Module):
         keep = self.window - 1
         for k, (ctx, n) in enumerate(zip(batch.ctxs, lens)):
             ctx.state.window[self.layer] = keys[k:k + 1, w + 1 - min(n + 1, keep):]
-        allowed = torch.arange(w + 1, device=kv.device) >= (w - torch.tensor(lens, device=kv.device)).unsqueeze(-1)
+        allowed = torch.arange(w + 1, device=kv.device) >= (w - batch.ints(lens)).unsqueeze(-1)
         return keys, allowed.unsqueeze(1)
 
     def _window_keys(self, ctx, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,7 +431,7 @@ class Attention(nn.Module):
             for k in done:
                 caches[k].buf_kv, caches[k].buf_gate = caches[k].buf_kv[:, :0], caches[k].buf_gate[:, :0]
             latent = self.compressor.norm(pool_groups(kv, gate, r).to(dtype))                      # [Nc,1,d]
-        epos = torch.tensor([[caches[k].count * r] for k in done], device=latent.device)            # [Nc, 1]
+        epos = batch.ints([caches[k].count * r for k in done]).unsqueeze(1)                       # [Nc, 1]
         keys = self.indexer.keys(latent, epos, inv)
         rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
         for j, k in enumerate(done):

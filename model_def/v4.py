@@ -238,25 +238,25 @@ class Compressor(nn.Module):
         return st[key + ".cache"]
 
 
-    def pool_decode(self, proj: tuple[torch.Tensor, torch.Tensor], starts: list[int], sts: list[dict], key: str,
+    def pool_decode(self, proj: tuple[torch.Tensor, torch.Tensor], rows: "DecodeRows", sts: list[dict], key: str,
                     inv_freq: torch.Tensor) -> list[torch.Tensor]:
-        """`pool` for N requests feeding one token each: proj [N,1,·] at positions starts; -> each request's whole
-        compressed cache [1,T_i,dim]. The requests whose group the token completes pool theirs together."""
+        """`pool` for the forward's decode rows (one token each): proj [N,1,·]; -> each request's whole compressed
+        cache [1,T_i,dim]. The requests whose group the token completes pool theirs together."""
         kv, sc = proj
-        r, d, dev = self.ratio, self.dim, kv.device
-        pos = torch.tensor(starts, device=dev)
+        r, d, starts = self.ratio, self.dim, rows.starts
+        pos = rows.positions[:, 0]
         slot = pos % r                                   # the token's row in its group
         sc = sc + self.ape[slot].unsqueeze(1)
-        rows = torch.arange(len(starts), device=dev)
+        n = torch.arange(len(starts), device=kv.device)
         # pending rows with the token written at its slot: an open group's new pending rows, a completed one's group
-        pend_kv = torch.cat([st[key + ".pend_kv"] for st in sts]).index_put((rows, slot), kv[:, 0])   # [N,r,c*d]
-        pend_sc = torch.cat([st[key + ".pend_sc"] for st in sts]).index_put((rows, slot), sc[:, 0])
-        done = [k for k, p in enumerate(starts) if p % r == r - 1]
+        pend_kv = torch.cat([st[key + ".pend_kv"] for st in sts]).index_put((n, slot), kv[:, 0])   # [N,r,c*d]
+        pend_sc = torch.cat([st[key + ".pend_sc"] for st in sts]).index_put((n, slot), sc[:, 0])
+        done, done_rows = rows.completing(r)
         for k, st in enumerate(sts):
             if starts[k] % r != r - 1:
                 st[key + ".pend_kv"], st[key + ".pend_sc"] = pend_kv[k:k + 1], pend_sc[k:k + 1]
         if done:
-            kv, sc = pend_kv[done].unsqueeze(1), pend_sc[done].unsqueeze(1)            # [Nd,1,r,c*d]
+            kv, sc = pend_kv[done_rows].unsqueeze(1), pend_sc[done_rows].unsqueeze(1)  # [Nd,1,r,c*d]
             if self.overlap:
                 prev_kv = torch.stack([sts[k][key + ".prev_kv"][0] for k in done]).unsqueeze(1)   # [Nd,1,r,d]
                 prev_sc = torch.stack([sts[k][key + ".prev_sc"][0] for k in done]).unsqueeze(1)
@@ -266,7 +266,7 @@ class Compressor(nn.Module):
                 sc = torch.cat([prev_sc, sc[..., d:]], 2)
             e = (kv * sc.softmax(2)).sum(2)                                             # [Nd,1,d]
             e = rms_norm(e, self.norm.eps, self.norm.weight)
-            e = apply_rope(e, pos[done].unsqueeze(1) // r * r, inv_freq)
+            e = apply_rope(e, pos[done_rows].unsqueeze(1) // r * r, inv_freq)
             if self.numerics.deploy:
                 if self.kind == "index":
                     e = _index_quant(e)
@@ -318,16 +318,28 @@ class Indexer(nn.Module):
         return torch.zeros_like(visible).scatter(-1, top, visible.gather(-1, top))
 
 
-class _DecodeBatch:
-    """A forward's single-token chunks (`members`, one request each) attended as one batch in a layer: their start
-    positions, layer states and positions [N,1]; `entries`: their compressed caches once pooled."""
+class DecodeRows:
+    """A forward's single-token chunks (one request each: the decode steps), attended as one batch in every layer:
+    their chunk indices, start positions, positions [N,1] on the device and, per compression ratio, which of them
+    complete a group; made once per forward, so no layer copies host lists to the device."""
 
-    def __init__(self, members: list[int], starts: list[int], states: list[dict], device):
+    def __init__(self, members: list[int], starts: list[int], device):
         self.members = members
         self.starts = [starts[i] for i in members]
-        self.states = [states[i] for i in members]
         self.positions = torch.tensor(self.starts, device=device).unsqueeze(1)                   # [N,1]
-        self.entries: list[torch.Tensor] | None = None
+        self._completing: dict[int, tuple[list[int], torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, rag: Ragged, min_size: int = 2) -> "DecodeRows | None":
+        members = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]
+        return cls(members, rag.starts, rag.device) if len(members) >= min_size else None
+
+    def completing(self, ratio: int) -> tuple[list[int], torch.Tensor]:
+        """The rows whose token completes a group of `ratio` (as a list and as a device index)."""
+        if ratio not in self._completing:
+            done = [k for k, p in enumerate(self.starts) if p % ratio == ratio - 1]
+            self._completing[ratio] = (done, torch.tensor(done, dtype=torch.long, device=self.positions.device))
+        return self._completing[ratio]
 
     def stack(self, parts: list) -> tuple[torch.Tensor, ...]:
         """The members' per-chunk tuples of [1,1,...] tensors -> one tuple of [N,1,...] tensors."""
@@ -378,12 +390,12 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
-    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: list[int] | None = None
+    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: "DecodeRows | None" = None
                 ) -> torch.Tensor:
         """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
         [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
         the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk, except for
-        the single-token chunks listed in `decode` (the decode steps), which attend as one batch (`_attend_batch`)."""
+        the single-token chunks of `decode` (the decode steps), which attend as one batch (`_attend_batch`)."""
         f, pos = rope_table(*self.rope, x.device), rag.positions                                  # pos [1,T]
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
         qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
@@ -398,7 +410,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
                            zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
-        batch = set(decode or ())
+        batch = set(decode.members) if decode is not None else set()
         alone = [i for i in range(len(states)) if i not in batch]
         qs, kvs, poss = rag.split(q), rag.split(kv), rag.split(pos)
         windows, entries, partials = {}, {}, []
@@ -410,15 +422,15 @@ class Attention(nn.Module):
             if idx[i] is not None:
                 k = self.indexer.compressor.pool(idx[i][0], p0, st, "idx", f)
                 partials.append(self.indexer.partial_scores(*idx[i][1], k))
+        entries_b = None
         if batch:
-            decoding = _DecodeBatch(decode, rag.starts, states, x.device)
+            states_b = [states[i] for i in decode.members]
             if self.compressor is not None:
-                decoding.entries = self.compressor.pool_decode(decoding.stack(comp), decoding.starts,
-                                                               decoding.states, "kv", f)
+                entries_b = self.compressor.pool_decode(decode.stack(comp), decode, states_b, "kv", f)
             if self.indexer is not None:
-                keys = self.indexer.compressor.pool_decode(decoding.stack([c for c, _ in idx]), decoding.starts,
-                                                           decoding.states, "idx", f)
-                partials.append(self.indexer.partial_scores(*decoding.stack([qw for _, qw in idx]), _padded(keys)))
+                keys = self.indexer.compressor.pool_decode(decode.stack([c for c, _ in idx]), decode, states_b, "idx",
+                                                           f)
+                partials.append(self.indexer.partial_scores(*decode.stack([qw for _, qw in idx]), _padded(keys)))
         scores = iter(all_reduce_each(self.indexer.comm, partials) if partials else ())
         out = [None] * len(states)
         for i in alone:
@@ -434,29 +446,30 @@ class Attention(nn.Module):
                 allowed = torch.cat([allowed, sel], -1)
             out[i] = sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
         if batch:
-            o = self._attend_batch(decoding, torch.cat([qs[i] for i in decode]), torch.cat([kvs[i] for i in decode]),
-                                   next(scores, None))
-            for k, i in enumerate(decode):
+            o = self._attend_batch(decode, states_b, entries_b, torch.cat([qs[i] for i in decode.members]),
+                                   torch.cat([kvs[i] for i in decode.members]), next(scores, None))
+            for k, i in enumerate(decode.members):
                 out[i] = o[k:k + 1]
         return self._project(rag.join(out), pos, f)
 
-    def _attend_batch(self, batch: "_DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
-                      scores: torch.Tensor | None) -> torch.Tensor:
-        """The single-token chunks at once: q [N,1,h,d], kv [N,1,d] (their window rows), scores [N,1,T_max] (the
-        indexer's, summed over the ranks) -> [N,1,h,d]. Keys: each request's window ring and new row, then its
-        compressed entries, padded to the longest cache (padding is never visible)."""
+    def _attend_batch(self, batch: DecodeRows, states: list[dict], entries: list[torch.Tensor] | None,
+                      q: torch.Tensor, kv: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        """The decode rows at once: q [N,1,h,d], kv [N,1,d] (their window rows), their layer states and compressed
+        caches (`entries`, [1,T_i,d] each), scores [N,1,T_max] (the indexer's, summed over the ranks) -> [N,1,h,d].
+        Keys: each request's window ring and new row, then its compressed entries, padded to the longest cache
+        (padding is never visible)."""
         W, pos = self.window, batch.positions                                                     # pos [N,1]
         ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W   # [N,W] (< 0: empty slot)
         kpos = torch.cat([ring_pos, pos], 1)                                                      # [N,W+1]
         allowed = ((kpos >= 0) & (kpos > pos - W)).unsqueeze(1)                                   # [N,1,W+1]
-        rings = torch.cat([st["win"] for st in batch.states])                                     # [N,W,d]
+        rings = torch.cat([st["win"] for st in states])                                           # [N,W,d]
         keys = torch.cat([rings, kv.to(rings.dtype)], 1)
-        written = rings.index_put((torch.arange(len(batch.states), device=pos.device), pos[:, 0] % W),
+        written = rings.index_put((torch.arange(len(states), device=pos.device), pos[:, 0] % W),
                                   kv[:, 0].to(rings.dtype))
-        for k, st in enumerate(batch.states):
+        for k, st in enumerate(states):
             st["win"] = written[k:k + 1]
-        if batch.entries is not None:
-            ckv = _padded(batch.entries)                                                          # [N,T_max,d]
+        if entries is not None:
+            ckv = _padded(entries)                                                                # [N,T_max,d]
             if self.indexer is not None:
                 sel = self.indexer.select(scores, pos)
             else:  # HCA: every complete group
@@ -703,8 +716,7 @@ class DeepseekV4Model(nn.Module):
         rag = Ragged.of(chunks)
         ids = rag.join([c.ids for c in chunks])                                 # [1,T]
         X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
-        decode = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]   # attended as one batch (≥ 2)
-        decode = decode if len(decode) >= 2 else None
+        decode = DecodeRows.of(rag)   # the single-token chunks, attended as one batch (two or more)
         for i, blk in enumerate(self.layers):
             states = [c.state.layers[i] for c in chunks]
             X = blk(X, ids, lambda x, blk=blk, states=states: blk.attn(x, states, rag, decode))
