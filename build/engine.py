@@ -29,7 +29,7 @@ from dsflash.model_def.names import TensorEntry, tensor_table
 
 ENGINE_FILE = "engine.json"
 ENGRAM_TABLE = ".engram.embed.weight"   # loaded as stored (FP8 rows + e8m0 scales), never dequantized whole
-ENGINE_VERSION = 1
+ENGINE_VERSION = 2   # 2: the vocabulary head is split over the TP ranks
 
 
 class EngineError(ValueError):

@@ -129,7 +129,7 @@ def draft_block(model, dstate: DraftState, bonus: torch.Tensor) -> DraftOutput:
         X, pre = stage(X, pre, lambda x, st=stage, r=ring: st.attn.draft_forward(x, r, valid, frames), None)
     last = model.mtp[-1]
     hidden = hc_collapse(X, pre)                                   # collapsed, un-normed: feeds the confidence head
-    base = F.linear(wide(last.norm(hidden)), wide_weight(model.head.weight))
+    base = model.head(last.norm(hidden))
     prevs, logits = [bonus.long()], []
     for j in range(k):                      # sequential refinement: the bias depends on the token just drafted
         logits.append(base[:, j] + last.markov_head.bias(prevs[-1]))

@@ -101,7 +101,7 @@ class DistComm:
 
     def __init__(self, mapping: Mapping, group=None):
         self.tp_size, self.tp_rank, self.group = mapping.tp_size, mapping.tp_rank, group
-        self.counts = CommCounts()
+        self.counts, self.gathers = CommCounts(), CommCounts()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -112,6 +112,15 @@ class DistComm:
         dist.all_reduce(y, group=self.group)
         return y.to(x.dtype)
 
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' equal slices of the last dim joined in rank order (the vocabulary head's logits)."""
+        import torch.distributed as dist
+        y = x.contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.tp_size)]
+        self.gathers.add(y.numel() * y.element_size() * self.tp_size)
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat(parts, -1)
+
 
 class SimulatedComm:
     """One rank of a TP group run alone (the TP8-rank simulation, design.md §5): every all-reduce is a local no-op on
@@ -120,7 +129,7 @@ class SimulatedComm:
 
     def __init__(self, mapping: Mapping, wait=None):
         self.tp_size, self.tp_rank = mapping.tp_size, mapping.tp_rank
-        self.counts = CommCounts()
+        self.counts, self.gathers = CommCounts(), CommCounts()
         self.wait = wait
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +141,29 @@ class SimulatedComm:
         if self.wait is not None:
             self.wait(nbytes)
         return y.to(x.dtype)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """A gather's output shape, this rank's slice repeated; waits as an all-reduce of half the output's bytes
+        (a ring all-gather moves half of what a ring all-reduce of the same size does)."""
+        nbytes = x.numel() * x.element_size() * self.tp_size
+        self.gathers.add(nbytes)
+        if self.wait is not None:
+            self.wait(nbytes // 2)
+        return x.repeat(*([1] * (x.dim() - 1)), self.tp_size)
+
+
+def gather_last(comm, x: torch.Tensor, total: int) -> torch.Tensor:
+    """Join the TP ranks' equal slices [..., total / tp] of the last dim, in rank order -> [..., total]: the comm's
+    own all-gather where it has one, else the sum of each rank's slice placed among zeros (an all-reduce)."""
+    if comm.tp_size == 1:
+        return x
+    gather = getattr(comm, "all_gather_last", None)
+    if gather is not None:
+        return gather(x)
+    full = x.new_zeros(*x.shape[:-1], total)
+    start = comm.tp_rank * x.shape[-1]
+    full[..., start:start + x.shape[-1]] = x
+    return comm.all_reduce(full)
 
 
 def tp_of(mapping: Mapping | None) -> tuple[int, int]:
@@ -195,6 +227,21 @@ class ColumnParallelLinear(Linear):
                  quant: str | None = None, dtype: torch.dtype = torch.float32):
         start, stop = local_slice(out_features, mapping)
         super().__init__(in_features, stop - start, numerics, quant, dtype=dtype)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The vocabulary head split by rows over the TP ranks, its logits gathered (TRT-LLM's `lm_head` with
+    gather_output): each rank reads 1/tp of the 129280 × hidden weight per step instead of all of it. `fp32`: the
+    logits in fp32 math on the kept fp32 weight (V4.1's reference), else the model dtype's linear, then fp32 (V4)."""
+
+    def __init__(self, in_features: int, vocab: int, numerics: Numerics, mapping: Mapping | None, comm: Comm | None,
+                 fp32: bool, dtype: torch.dtype = torch.float32):
+        super().__init__(in_features, vocab, numerics, mapping, None, dtype=dtype)
+        self.vocab, self.fp32, self.comm = vocab, fp32, comm or LocalComm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(wide(x), wide_weight(self.weight)) if self.fp32 else super().forward(x).float()
+        return gather_last(self.comm, local, self.vocab)
 
 
 class RowParallelLinear(Linear):

@@ -19,7 +19,8 @@ from dsflash.model_def import dispatch, ragged
 from dsflash.model_def.config import V4Args
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
-                                      norm_pair, rope_table, sink_attention, sqrtsoftplus, stacked_or_each, tp_of)
+                                      norm_pair, rope_table, sink_attention, sqrtsoftplus, stacked_or_each, tp_of,
+                                      VocabParallelHead)
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
@@ -96,7 +97,7 @@ def tensor_table(args: V4Args) -> list[TensorEntry]:
     t = [TensorEntry("embed.weight", (V, D), "bf16", "embed")]
     for i in range(args.n_layers):
         t += _block_table(f"layers.{i}.", args, i)
-    t += [TensorEntry("norm.weight", (D,), "bf16", "norm"), TensorEntry("head.weight", (V, D), "bf16")]
+    t += [TensorEntry("norm.weight", (D,), "bf16", "norm"), TensorEntry("head.weight", (V, D), "bf16", shard="col")]
     t += _head_table("", args)
     for j in range(args.n_draft):
         p = f"mtp.{j}."
@@ -684,7 +685,7 @@ class DeepseekV4Model(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, D, dtype=dtype)
         self.layers = nn.ModuleList([Block(args, i, numerics, mapping, comm, dtype) for i in range(args.n_layers)])
         self.norm = RMSNorm(D, args.rms_norm_eps)
-        self.head = Linear(D, args.vocab_size, numerics, dtype=dtype)
+        self.head = VocabParallelHead(D, args.vocab_size, numerics, mapping, comm, False, dtype)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.zeros(1))
@@ -727,7 +728,7 @@ class DeepseekV4Model(nn.Module):
     def head_logits(self, X: torch.Tensor) -> torch.Tensor:
         x = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args.hc_eps,
                     self.args.rms_norm_eps)
-        return self.head(self.norm(x)).float()
+        return self.head(self.norm(x))
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, state: V4State) -> torch.Tensor:

@@ -9,8 +9,9 @@ quantization before the FP8/FP4-weight linears. Attention lives in `csa2.py`, th
 `dspark.py`.
 
 Parameters are named exactly as the HF checkpoint keys (`tensor_table`). TP: attention heads (`wq_b`, `attn_sink`),
-`wo_a` groups, `wo_b` input columns, indexer heads and the shared expert are sharded; routed experts are placed by
-EP and sliced by MoE-TP; Engram tables are row-sharded; one fp32 all-reduce per attention and per MoE.
+`wo_a` groups, `wo_b` input columns, indexer heads, the shared expert and the vocabulary head's rows are sharded;
+routed experts are placed by EP and sliced by MoE-TP; Engram tables are row-sharded; one fp32 all-reduce per
+attention and per MoE, one all-gather of the logits.
 `mapping=None` is TP1.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ from torch import nn
 
 from dsflash.model_def import dispatch, dspark, engram, ragged
 from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
-from dsflash.model_def.layers import (Expert, Linear, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
-                                      sqrtsoftplus, tp_of, wide, wide_weight)
+from dsflash.model_def.layers import (Expert, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
+                                      sqrtsoftplus, tp_of, VocabParallelHead, wide, wide_weight)
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.ragged import Chunk, Ragged
 
@@ -98,7 +99,7 @@ def tensor_table(args) -> list[TensorEntry]:
         if layer in args.engram_layer_ids:
             out += engram.tensor_entries(args, layer)
         out += _block_entries(args, f"layers.{layer}.", layer, args.n_routed_experts)
-    out += [TensorEntry("norm.weight", (dim,), "bf16", "norm"), TensorEntry("head.weight", (vocab, dim), "bf16")]
+    out += [TensorEntry("norm.weight", (dim,), "bf16", "norm"), TensorEntry("head.weight", (vocab, dim), "bf16", shard="col")]
     for s in range(args.n_draft):
         p = f"mtp.{s}."
         if s == 0:
@@ -345,7 +346,7 @@ class DeepseekV41Model(nn.Module):
         self.layers = nn.ModuleList(Block(args, i, numerics, mapping, comm, dtype, args.n_routed_experts,
                                           args.num_experts_per_tok) for i in range(args.n_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = Linear(args.hidden_size, args.vocab_size, numerics, None, dtype=dtype)
+        self.head = VocabParallelHead(args.hidden_size, args.vocab_size, numerics, mapping, comm, True, dtype)
         self.mtp = nn.ModuleList(DSparkStage(args, s, numerics, mapping, comm, dtype) for s in range(args.n_draft))
         self._engram_lookup: torch.Tensor | None = None
 
@@ -423,7 +424,7 @@ class DeepseekV41Model(nn.Module):
         if last_only:   # only the rows that are sampled from pay for the vocabulary head
             last = rag.last_rows(dev)
             X, pre = X[:, last], pre[:, last]
-        logits = F.linear(wide(self.norm(hc_collapse(X, pre))), wide_weight(self.head.weight))
+        logits = self.head(self.norm(hc_collapse(X, pre)))
         return rag.split_rows(logits[0]) if last_only else rag.split(logits)
 
     def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
