@@ -198,6 +198,15 @@ class Engine:
         return self.path / self.meta["ranks"][rank]["file"]
 
 
+def is_current_engine(path: str | Path) -> bool:
+    """Whether `path` holds an engine.json of this dsflash's format version: caches of built engines (`dsflash demo`,
+    `bench --load-format dummy`) rebuild any other instead of failing on it."""
+    try:
+        return json.loads((Path(path) / ENGINE_FILE).read_text()).get("version") == ENGINE_VERSION
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def open_engine(path: str | Path, check_arch: bool = True) -> Engine:
     path = Path(path)
     f = path / ENGINE_FILE

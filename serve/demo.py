@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=16)
     a = p.parse_args(argv)
+    from dsflash.build.engine import is_current_engine
 
     base = Path(a.workdir) / f"{a.family}-{a.preset}"
     hf, ckpt, engine = base / "hf", base / "ckpt-reference", base / "engine-cpu-tp1"
@@ -46,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (ckpt / "manifest.json").is_file():
         _stage("convert to the canonical reference layout", ["convert", "--hf", str(hf), "--out", str(ckpt),
                                                               "--layout", "reference"])
-    if not (engine / "engine.json").is_file():
+    if not is_current_engine(engine):
+        if engine.exists():
+            print(f"\n[demo] {engine} was built by another dsflash version (engine format): rebuilding it", flush=True)
+            shutil.rmtree(engine)
         _stage("build a CPU engine (TP1)", ["build", "--ckpt", str(ckpt), "--out", str(engine), "--arch", "cpu"])
     _stage("greedy generation from the engine", ["generate", "--engine", str(engine), "--prompt", a.prompt,
                                                   "--max-new-tokens", str(a.max_new_tokens)])

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -199,7 +200,7 @@ def dummy_engine(a: argparse.Namespace) -> str:
     """Build (once; kept under --workspace) an engine of --model-preset for this machine whose weights are drawn at
     load time (`build.dummy`: no checkpoint, no rank files)."""
     from dsflash.build.dummy import write_dummy_engine
-    from dsflash.build.engine import current_arch
+    from dsflash.build.engine import current_arch, is_current_engine
     from dsflash.build.plan import BuildConfig
     from dsflash.model_def import get_preset
     from dsflash.model_def.mapping import Mapping
@@ -215,7 +216,10 @@ def dummy_engine(a: argparse.Namespace) -> str:
           f"-b{limits.max_batch_size}-t{limits.max_num_tokens}-s{limits.max_seq_len}" + \
           (f"-tune{limits.tune_budget_s:g}" if tune else "")
     engine = Path(a.workspace) / f"{family}-{name}" / f"engine-{tag}"
-    if not (engine / "engine.json").is_file():
+    if not is_current_engine(engine):
+        if engine.exists():   # kept from another dsflash version: this workspace is ours to rebuild in
+            print(f"{engine}: built by another dsflash version (engine format); rebuilding it", file=sys.stderr)
+            shutil.rmtree(engine)
         write_dummy_engine(args, engine, Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.ep), arch,
                            limits)
     return str(engine)

@@ -2,6 +2,7 @@
 MoE plugin's experts and the Engram tables kept as stored, never dequantized whole; a rank that cannot fit is
 refused before anything is allocated."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +99,23 @@ def test_build_flags(tmp_path, capsys):
     assert build_main(["--preset", "v41/tiny", "--out", str(tmp_path / "x")]) == 2
     assert "a dummy-weight engine (--dummy-weights)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_cached_engine_of_another_format_version_is_rebuilt(tmp_path, capsys):
+    """`bench --load-format dummy` keeps its engines in a workspace: one written by another dsflash (an older engine
+    format) is rebuilt there, not loaded and not refused; a current one is reused as is."""
+    import argparse
+    from dsflash.build.engine import ENGINE_VERSION, is_current_engine
+    from dsflash.serve.bench.cli import dummy_engine
+    a = argparse.Namespace(model_preset="v41/tiny", tp=1, ep=None, tune_budget_s=0.0, max_batch_size=4,
+                           max_num_tokens=16, max_seq_len=64, workspace=str(tmp_path))
+    engine = dummy_engine(a)
+    meta_file = Path(engine) / "engine.json"
+    assert is_current_engine(engine)
+    first = meta_file.stat().st_mtime_ns
+    assert dummy_engine(a) == engine and meta_file.stat().st_mtime_ns == first
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps(meta | {"version": ENGINE_VERSION - 1}))
+    assert not is_current_engine(engine)
+    assert dummy_engine(a) == engine and is_current_engine(engine)
+    assert "built by another dsflash version" in capsys.readouterr().err
