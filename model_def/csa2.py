@@ -22,7 +22,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, N
                                       apply_rope, local_slice, norm_pair, rope_table, sink_attention,
                                       stacked_or_each, tp_of, wide, wide_weight)
 from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
-from dsflash.model_def.ragged import Ragged, all_reduce_each
+from dsflash.model_def.ragged import DecodeRows, Ragged, all_reduce_each
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
 COMPRESSED_KV_BLOCK = 16  # FP4 e2m1 with an e4m3 scale per 16 channels
@@ -124,23 +124,15 @@ class BatchedSource:
         self.index_k = torch.nn.utils.rnn.pad_sequence([c.index_k[0] for c in caches], batch_first=True)
 
 
-class DecodeBatch:
-    """A forward's single-token chunks (one request, one new token each: the decode steps) attended as one batch
-    in every layer, instead of one attention per request. Holds their contexts, positions [N,1], the selections of
-    the index sources ([N,1,k] top-k; "candidates": the block mask) and each KV source's batched caches."""
+class DecodeBatch(DecodeRows):
+    """The decode rows of a V4.1 forward (`ragged.DecodeRows`) with their contexts, the selections of the index
+    sources ([N,1,k] top-k; "candidates": the block mask) and each KV source's batched caches."""
 
-    def __init__(self, members: list[int], ctxs: list):
-        self.members, self.index = members, set(members)
+    def __init__(self, rag: Ragged, members: list[int], ctxs: list):
+        super().__init__(rag, members)
         self.ctxs = [ctxs[i] for i in members]
-        self.positions = torch.cat([c.positions for c in self.ctxs])                  # [N, 1]
         self.selections: dict = {}
         self._sources: dict[int, BatchedSource] = {}
-        self._ints: dict[tuple[int, ...], torch.Tensor] = {}
-
-    @classmethod
-    def of(cls, ctxs: list, shapes: list[tuple[int, int]], min_size: int = 2) -> "DecodeBatch | None":
-        members = [i for i, shape in enumerate(shapes) if shape == (1, 1)]
-        return cls(members, ctxs) if len(members) >= min_size else None
 
     def compressed(self, source: int, refresh: bool) -> BatchedSource:
         """The batched caches of `source` (rebuilt when `refresh`: its layer has just appended to them)."""
@@ -148,14 +140,6 @@ class DecodeBatch:
             caches = [c.state.sources[source] for c in self.ctxs]
             self._sources[source] = BatchedSource(caches, self.ints([c.count for c in caches]))
         return self._sources[source]
-
-    def ints(self, values) -> torch.Tensor:
-        """Host ints (cache lengths, entry positions) as a device tensor, copied once per forward however many
-        layers ask for the same values (they repeat from layer to layer); never written."""
-        key = tuple(int(v) for v in values)
-        if key not in self._ints:
-            self._ints[key] = torch.tensor(key, dtype=torch.long, device=self.positions.device)
-        return self._ints[key]
 
 
 # -- modules -------------------------------------------------------------------------------------------------------

@@ -76,6 +76,38 @@ class Ragged:
         return list(x.split([b for b, _ in self.shapes], 0))
 
 
+class DecodeRows:
+    """A forward's single-token chunks (one request, one new token each: the decode steps), attended as one batch in
+    every layer instead of one attention per request: their chunk indices (`members`), start positions, positions
+    [N,1] on the device, and host ints copied to the device once per forward (`ints`). Families extend it with what
+    their layers share (csa2.DecodeBatch)."""
+
+    def __init__(self, rag: Ragged, members: list[int]):
+        self.members, self.index = members, set(members)
+        self.starts = [rag.starts[i] for i in members]
+        per_chunk = rag.split(rag.positions)
+        self.positions = torch.cat([per_chunk[i] for i in members])                  # [N, 1]
+        self._ints: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, rag: Ragged, *args, min_size: int = 2):
+        """The forward's decode rows, or None when fewer than min_size chunks are single tokens."""
+        members = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]
+        return cls(rag, members, *args) if len(members) >= min_size else None
+
+    def ints(self, values) -> torch.Tensor:
+        """Host ints (cache lengths, entry positions, row indices) as a device tensor, copied once per forward however
+        many layers ask for the same values (they repeat from layer to layer); never written."""
+        key = tuple(int(v) for v in values)
+        if key not in self._ints:
+            self._ints[key] = torch.tensor(key, dtype=torch.long, device=self.positions.device)
+        return self._ints[key]
+
+    def stack(self, parts: list) -> tuple[torch.Tensor, ...]:
+        """The members' per-chunk tuples of [1,1,...] tensors -> one tuple of [N,1,...] tensors."""
+        return tuple(torch.cat(t) for t in zip(*(parts[i] for i in self.members)))
+
+
 def all_reduce_each(comm, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sum each tensor over the TP ranks with one collective for all of them (the chunks' partial sums)."""
     if len(parts) == 1:

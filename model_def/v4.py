@@ -24,7 +24,7 @@ from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear
 from dsflash.model_def.mapping import Mapping, split_range
 from dsflash.model_def.names import TensorEntry
 from dsflash.model_def.quant import fake_quant_fp4_pow2, fake_quant_fp8, hadamard
-from dsflash.model_def.ragged import Chunk, Ragged, all_reduce_each
+from dsflash.model_def.ragged import Chunk, DecodeRows, Ragged, all_reduce_each
 
 KV_QUANT_BLOCK = 64      # FP8 scale block of window / compressed KV nope channels
 INDEX_QUANT_BLOCK = 32   # FP4 scale block of indexer keys / queries
@@ -238,8 +238,7 @@ class Compressor(nn.Module):
         st[key + ".cache"] = torch.cat([st[key + ".cache"], e.to(st[key + ".cache"].dtype)], 1)
         return st[key + ".cache"]
 
-
-    def pool_decode(self, proj: tuple[torch.Tensor, torch.Tensor], rows: "DecodeRows", sts: list[dict], key: str,
+    def pool_decode(self, proj: tuple[torch.Tensor, torch.Tensor], rows: DecodeRows, sts: list[dict], key: str,
                     inv_freq: torch.Tensor) -> list[torch.Tensor]:
         """`pool` for the forward's decode rows (one token each): proj [N,1,·]; -> each request's whole compressed
         cache [1,T_i,dim]. The requests whose group the token completes pool theirs together."""
@@ -252,7 +251,8 @@ class Compressor(nn.Module):
         # pending rows with the token written at its slot: an open group's new pending rows, a completed one's group
         pend_kv = torch.cat([st[key + ".pend_kv"] for st in sts]).index_put((n, slot), kv[:, 0])   # [N,r,c*d]
         pend_sc = torch.cat([st[key + ".pend_sc"] for st in sts]).index_put((n, slot), sc[:, 0])
-        done, done_rows = rows.completing(r)
+        done = [k for k, p in enumerate(starts) if p % r == r - 1]   # the rows whose token completes a group
+        done_rows = rows.ints(done)
         for k, st in enumerate(sts):
             if starts[k] % r != r - 1:
                 st[key + ".pend_kv"], st[key + ".pend_sc"] = pend_kv[k:k + 1], pend_sc[k:k + 1]
@@ -319,34 +319,6 @@ class Indexer(nn.Module):
         return torch.zeros_like(visible).scatter(-1, top, visible.gather(-1, top))
 
 
-class DecodeRows:
-    """A forward's single-token chunks (one request each: the decode steps), attended as one batch in every layer:
-    their chunk indices, start positions, positions [N,1] on the device and, per compression ratio, which of them
-    complete a group; made once per forward, so no layer copies host lists to the device."""
-
-    def __init__(self, members: list[int], starts: list[int], device):
-        self.members = members
-        self.starts = [starts[i] for i in members]
-        self.positions = torch.tensor(self.starts, device=device).unsqueeze(1)                   # [N,1]
-        self._completing: dict[int, tuple[list[int], torch.Tensor]] = {}
-
-    @classmethod
-    def of(cls, rag: Ragged, min_size: int = 2) -> "DecodeRows | None":
-        members = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]
-        return cls(members, rag.starts, rag.device) if len(members) >= min_size else None
-
-    def completing(self, ratio: int) -> tuple[list[int], torch.Tensor]:
-        """The rows whose token completes a group of `ratio` (as a list and as a device index)."""
-        if ratio not in self._completing:
-            done = [k for k, p in enumerate(self.starts) if p % ratio == ratio - 1]
-            self._completing[ratio] = (done, torch.tensor(done, dtype=torch.long, device=self.positions.device))
-        return self._completing[ratio]
-
-    def stack(self, parts: list) -> tuple[torch.Tensor, ...]:
-        """The members' per-chunk tuples of [1,1,...] tensors -> one tuple of [N,1,...] tensors."""
-        return tuple(torch.cat(t) for t in zip(*(parts[i] for i in self.members)))
-
-
 def _padded(caches: list[torch.Tensor]) -> torch.Tensor:
     """Caches [1,T_i,d] -> [N,T_max,d], zero rows after each one's end."""
     return torch.nn.utils.rnn.pad_sequence([c[0] for c in caches], batch_first=True)
@@ -391,7 +363,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.init_state(st, "idx", B, dtype, device)
 
-    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: "DecodeRows | None" = None
+    def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: DecodeRows | None = None
                 ) -> torch.Tensor:
         """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
         [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
@@ -411,8 +383,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
                            zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
-        batch = set(decode.members) if decode is not None else set()
-        alone = [i for i in range(len(states)) if i not in batch]
+        alone = [i for i in range(len(states)) if decode is None or i not in decode.index]
         qs, kvs, poss = rag.split(q), rag.split(kv), rag.split(pos)
         windows, entries, partials = {}, {}, []
         for i in alone:
@@ -424,7 +395,7 @@ class Attention(nn.Module):
                 k = self.indexer.compressor.pool(idx[i][0], p0, st, "idx", f)
                 partials.append(self.indexer.partial_scores(*idx[i][1], k))
         entries_b = None
-        if batch:
+        if decode is not None:
             states_b = [states[i] for i in decode.members]
             if self.compressor is not None:
                 entries_b = self.compressor.pool_decode(decode.stack(comp), decode, states_b, "kv", f)
@@ -446,7 +417,7 @@ class Attention(nn.Module):
                 keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, sel], -1)
             out[i] = sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
-        if batch:
+        if decode is not None:
             o = self._attend_batch(decode, states_b, entries_b, torch.cat([qs[i] for i in decode.members]),
                                    torch.cat([kvs[i] for i in decode.members]), next(scores, None))
             for k, i in enumerate(decode.members):

@@ -396,7 +396,7 @@ class DeepseekV41Model(nn.Module):
         dev = chunks[0].ids.device
         ids = rag.join([c.ids for c in chunks])                                    # [1, T]
         ctxs = [ChunkContext(c.state, c.state.pos, pos) for c, pos in zip(chunks, rag.split(rag.positions))]
-        batch = DecodeBatch.of(ctxs, rag.shapes)
+        batch = DecodeBatch.of(rag, ctxs)
         # the batch's tokens hash their Engram n-grams together when none is an image token
         text_batch = [] if batch is None or any(chunks[i].image_mask is not None for i in batch.members) \
             else batch.members
