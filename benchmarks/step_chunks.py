@@ -1,12 +1,14 @@
 """One decode step of N requests: fused (one `step_chunks` forward for all) vs a forward per request.
 
     python3 benchmarks/step_chunks.py --engine out/demo/v41-tiny/engine-cpu-tp1 [--requests 1,8,32]
-        [--context 100] [--steps 20] [--json F] [--kernel-time] [--simulate-rank R]
+        [--context 100] [--steps 20] [--json F] [--kernel-time] [--host-profile] [--simulate-rank R]
 
 Each request first gets a prompt of --context tokens (its own state), then every timed step feeds each request one
 token: "fused" runs them as one forward (what `dsflash serve` does), "per request" as N forwards (what
 `--batch-invariant` does). The best of three rounds of --steps steps is reported, in ms per step. On a GPU,
 --kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time.
+--host-profile (any device) reports where a fused step's host time goes: the torch ops it calls (count and self
+CPU µs per step) and the Python functions that take the most time of their own (cProfile).
 """
 from __future__ import annotations
 
@@ -76,10 +78,52 @@ def kernel_time(model, n: int, context: int, steps: int) -> dict:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     top: dict[str, float] = {}
+    count: dict[str, int] = {}
     for e in kernels:
         top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+        count[e.name] = count.get(e.name, 0) + 1
     return {"kernel_ms": round(busy_us / steps / 1e3, 3), "kernels": round(len(kernels) / steps, 1),
-            "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
+            "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},
+            "top_kernels_by_count": {k[:160]: round(v / steps, 1)
+                                     for k, v in sorted(count.items(), key=lambda kv: -kv[1])[:25]}}
+
+
+def host_profile(model, n: int, context: int, steps: int, top: int = 25) -> dict:
+    """Fused decode steps of n requests under cProfile and the CPU profiler: per step, the torch ops called (count,
+    self CPU µs) and the Python functions with the most time of their own (calls, own µs)."""
+    import cProfile
+    import pstats
+    from torch.profiler import ProfilerActivity, profile
+    states, next_ids = _decoding(model, n, context, seed=200 + n)
+    ids = next_ids(2 * steps + 1)
+    device = model.head.weight.device
+    model.step_chunks([Chunk(ids[j], s) for j, s in enumerate(states)])
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(1, steps + 1):
+            model.step_chunks([Chunk(ids[i * n + j], s) for j, s in enumerate(states)])
+        _sync(device)
+    # top-level ops only (an op's own children, e.g. aten::copy_ under aten::to, are in its self time's parent)
+    ops = sorted(((e.key, e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()),
+                 key=lambda r: -r[2])
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for i in range(steps + 1, 2 * steps + 1):
+        model.step_chunks([Chunk(ids[i * n + j], s) for j, s in enumerate(states)])
+    _sync(device)
+    prof_py.disable()
+    st = pstats.Stats(prof_py).stats   # {(file, line, fn): (prim calls, calls, own s, cumulative s, callers)}
+    funcs = sorted(((f"{k[0].rsplit('/', 2)[-1] if '/' in k[0] else k[0]}:{k[1]}:{k[2]}", v[1] / steps,
+                     v[2] / steps * 1e6) for k, v in st.items()), key=lambda r: -r[2])
+    ours = ("/model_def/", "/plugins/", "/serve/", "/build/")
+    cum = sorted(((f"{k[0].rsplit('/', 2)[-1]}:{k[1]}:{k[2]}", v[1] / steps, v[3] / steps * 1e6)
+                  for k, v in st.items() if any(d in k[0] for d in ours)), key=lambda r: -r[2])
+    return {"torch_ops_per_step": round(sum(r[1] for r in ops), 1),
+            "top_ours_cumulative_us": [{"fn": k, "calls": round(c, 1), "cum_us": round(us, 1)}
+                                       for k, c, us in cum[:40]],
+            "top_torch_ops": [{"op": k, "calls": round(c, 1), "self_us": round(us, 1)} for k, c, us in ops[:top]],
+            "top_python_own_us": [{"fn": k, "calls": round(c, 1), "own_us": round(us, 1)}
+                                  for k, c, us in funcs[:top]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-only", action="store_true", help="skip the per-request forwards (large models)")
     p.add_argument("--kernel-time", action="store_true",
                    help="on a GPU, also profile the fused steps: kernel ms and kernels per step")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also profile a fused step's host side: torch ops and Python functions per step")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
@@ -112,7 +158,16 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1] |= {"per_request_ms": round(alone, 2), "speedup": round(alone / fused, 2)}
         if a.kernel_time:
             rows[-1] |= kernel_time(model, n, a.context, min(a.steps, 5))
-        print(rows[-1], flush=True)
+        if a.host_profile:
+            rows[-1] |= host_profile(model, n, a.context, min(a.steps, 5))
+        print({k: v for k, v in rows[-1].items() if not k.startswith("top_")}, flush=True)
+        for name, us in list(rows[-1].get("top_kernels_us", {}).items())[:10]:
+            print(f"  kernel: {us} µs {name[:100]}", flush=True)
+        for name, c in list(rows[-1].get("top_kernels_by_count", {}).items())[:25]:
+            print(f"  kernel: {c} per step {name[:100]}", flush=True)
+        for key in ("top_torch_ops", "top_python_own_us", "top_ours_cumulative_us"):
+            for r in rows[-1].get(key, [])[:25]:
+                print(f"  {key}: {r}", flush=True)
     print("| requests | fused ms/step | per-request ms/step | speedup | GPU kernel ms/step | kernels/step |\n"
           "|---|---|---|---|---|---|")
     for r in rows:

@@ -9,8 +9,7 @@ match the reference is listed under "failed" and never chosen. "skipped" names w
 device this machine lacks (e.g. an sm90 engine built on a CPU machine), buckets left when the time budget ran out,
 or buckets where every candidate failed; serve then uses the defaults and logs each fallback.
 
-Ops: "lm_head" (bucket {"m", "v", "d"}, config {"chunk"}; CPU-timed) and, for sm90, "fp8_gemm": the FP8 GEMM per
-local dense linear shape, bucket {"n", "k", "m", "bf16_cache"; "group": 128 for V4's 1×128 / 128×128 scale groups},
+Ops (sm90; CPU and sm100 engines have none to tune): "fp8_gemm": the FP8 GEMM per local dense linear shape, bucket {"n", "k", "m", "bf16_cache"; "group": 128 for V4's 1×128 / 128×128 scale groups},
 config {"path": "fp8", "config": GemmConfig dict} or {"path": "bf16cache"} (the BF16-cache GEMM, a candidate where
 the engine holds `.weight_bf16`).
 `gemm_table(tuned)` turns these entries into `plugins.tuning.set_table` input. And for sm90 engines that bind the
@@ -57,33 +56,6 @@ class TunableOp:
 
 def m_bucket(m: int) -> int:
     return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
-
-
-# -- lm_head ----------------------------------------------------------------------------------------------------------
-def _lm_head_buckets(engine: dict) -> list[dict]:
-    model = engine["model"].get("text_config", engine["model"])
-    v, d = model["vocab_size"], model["hidden_size"]
-    return [{"m": m, "v": v, "d": d} for m in (1, 64)]
-
-
-@functools.lru_cache(maxsize=2)
-def _lm_head_weight(v: int, d: int) -> torch.Tensor:
-    return torch.randn(v, d, generator=torch.Generator().manual_seed(0))
-
-
-def _lm_head_make(bucket: dict, config: dict):
-    from dsflash.plugins.lm_head import chunked_lm_head
-    x = torch.randn(bucket["m"], bucket["d"], generator=torch.Generator().manual_seed(1))
-    w = _lm_head_weight(bucket["v"], bucket["d"])
-    return lambda: chunked_lm_head(x, w, config["chunk"])
-
-
-def _lm_head_candidates(bucket: dict) -> list[dict]:
-    from dsflash.plugins.lm_head import CHUNK_CANDIDATES
-    return [{"chunk": c} for c in CHUNK_CANDIDATES]
-
-
-LM_HEAD = TunableOp("lm_head", _lm_head_buckets, _lm_head_candidates, _lm_head_make, {"chunk": 32768})
 
 
 # -- fp8_gemm: group-32 FP8 GEMM configs vs the BF16-cache GEMM, per local dense linear shape ------------------------
@@ -292,7 +264,7 @@ def _moe_make(bucket: dict, cand: dict) -> _Rotation:
 
 MOE = TunableOp("moe", _moe_buckets, _moe_candidates, _moe_make, {"rule": "default_moe_config"}, device="cuda",
                 cleanup=_cuda_cleanup(_moe_inputs))
-TUNABLE_OPS = {"cpu": [LM_HEAD], "sm90": [LM_HEAD, FP8_GEMM, MOE], "sm100": [LM_HEAD]}
+TUNABLE_OPS = {"cpu": [], "sm90": [FP8_GEMM, MOE], "sm100": []}
 
 
 # -- timing -----------------------------------------------------------------------------------------------------------
@@ -504,27 +476,3 @@ def read_tuned(engine_dir: str | Path) -> dict | None:
         log.warning("%s: configs were timed on %s, this GPU is %s; they run, but rebuild the engine here to retune",
                     f, data["gpu"], here)
     return data
-
-
-class TunedTable:
-    """Lookups from tuned.json with a guaranteed, logged fallback."""
-
-    def __init__(self, data: dict | None, ops: list[TunableOp] | None = None):
-        self.data = data or {"entries": []}
-        self.fallbacks = {op.name: op.fallback for op in (ops or sum(TUNABLE_OPS.values(), []))}
-        self._warned: set = set()
-
-    @classmethod
-    def load(cls, engine_dir: str | Path) -> "TunedTable":
-        return cls(read_tuned(engine_dir))
-
-    def lookup(self, op: str, bucket: dict) -> dict:
-        for e in self.data["entries"]:
-            if e["op"] == op and e["bucket"] == bucket:
-                return e["config"]
-        key = (op, _key(bucket))
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("tuned.json has no entry for %s at %s; using fallback config %s", op, bucket,
-                        self.fallbacks[op])
-        return self.fallbacks[op]

@@ -11,19 +11,16 @@ from dsflash.build import tune as tune_mod
 from dsflash.build.gemm_shapes import dense_gemm_shapes
 from dsflash.build.engine import default_plugins
 from dsflash.build.plan import BuildConfig, expert_widths
-from dsflash.build.tune import (FP8_GEMM, LM_HEAD, MOE, TUNABLE_OPS, TunableOp, TunedTable, gemm_table, m_bucket,
+from dsflash.build.tune import (FP8_GEMM, MOE, TUNABLE_OPS, TunableOp, gemm_table, m_bucket,
                                 moe_table, tune)
 from dsflash.model_def.config import get_preset
 from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.names import tensor_table
 from dsflash.plugins import moe_config, tuning
-from dsflash.plugins.lm_head import chunked_lm_head, lm_head_ref
 
-
-def test_chunked_lm_head_matches_reference():
-    x, w = torch.randn(3, 40), torch.randn(1001, 40)
-    for chunk in (7, 256, 5000):
-        assert torch.allclose(chunked_lm_head(x, w, chunk), lm_head_ref(x, w), atol=1e-5)
+# a CPU-timed op of these tests' own (engines tune only GPU ops)
+TOY = TunableOp("toy", lambda eng: [{"m": 1}], lambda b: [{"delay": 1}, {"delay": 2}],
+                lambda b, c: (lambda: sum(range(c["delay"] * 100))), {"delay": 1})
 
 
 def test_tune_records_the_fastest_candidate():
@@ -37,33 +34,22 @@ def test_tune_records_the_fastest_candidate():
     assert data["arch"] == "cpu" and "torch" in data["versions"]
 
 
-def test_lookup_falls_back_and_logs_once(caplog):
-    table = TunedTable({"entries": [{"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}]})
-    assert table.lookup("lm_head", {"m": 1, "v": 10, "d": 4}) == {"chunk": 8192}
-    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
-        for _ in range(3):
-            assert table.lookup("lm_head", {"m": 64, "v": 10, "d": 4}) == LM_HEAD.fallback
-    assert len([r for r in caplog.records if "no entry for lm_head" in r.getMessage()]) == 1
-
-
 def test_tuned_json_is_checked_when_read(tmp_path, monkeypatch, caplog):
     """read_tuned: absent -> None; not JSON, no entries list, or an entry without op/bucket/config -> EngineError
     naming the file; timings from another GPU model are used with one warning."""
     from dsflash.build.engine import EngineError
     assert tune_mod.read_tuned(tmp_path) is None
     f = tmp_path / tune_mod.TUNED_FILE
-    entry = {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}
+    entry = {"op": "toy", "bucket": {"m": 1}, "config": {"delay": 2}}
     for text, why in [("{", "not valid JSON"), ("[]", "an \"entries\" list"), ('{"entries": {}}', "an \"entries\" list"),
-                      (json.dumps({"entries": [entry, {"op": "lm_head", "bucket": {}}]}), "entries\\[1\\] lacks 'config'")]:
+                      (json.dumps({"entries": [entry, {"op": "toy", "bucket": {}}]}), "entries\\[1\\] lacks 'config'")]:
         f.write_text(text)
         with pytest.raises(EngineError, match=f"tuned.json: .*{why}"):
             tune_mod.read_tuned(tmp_path)
-        with pytest.raises(EngineError):
-            TunedTable.load(tmp_path)
     f.write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "entries": [entry]}))
     monkeypatch.setattr(tune_mod, "_this_gpu", lambda: "NVIDIA H200")
     with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
-        assert TunedTable.load(tmp_path).lookup("lm_head", entry["bucket"]) == {"chunk": 8192}
+        assert tune_mod.read_tuned(tmp_path)["entries"] == [entry]
     assert "timed on NVIDIA H100 80GB HBM3, this GPU is NVIDIA H200" in caplog.text
     caplog.clear()
     monkeypatch.setattr(tune_mod, "_this_gpu", lambda: "NVIDIA H100 80GB HBM3")
@@ -150,10 +136,10 @@ def test_fp8_gemm_buckets_and_candidates():
 def test_sm90_engine_on_cpu_machine_skips_fp8_gemm_and_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
-        data = tune(_engine(), "sm90")
+        data = tune(_engine(), "sm90", TUNABLE_OPS["sm90"] + [TOY])
     assert [s["op"] for s in data["skipped"]] == ["fp8_gemm", "moe"]
     assert all("without an sm90 GPU" in s["reason"] and set(s) == {"op", "reason"} for s in data["skipped"])
-    assert {e["op"] for e in data["entries"]} == {"lm_head"}  # CPU-timed ops still tune
+    assert {e["op"] for e in data["entries"]} == {"toy"}  # CPU-timed ops still tune
     for op in ("fp8_gemm", "moe"):
         msgs = [r.getMessage() for r in caplog.records if f"{op} not tuned" in r.getMessage()]
         assert len(msgs) == 1 and "serve will use the default configs" in msgs[0]
@@ -165,7 +151,7 @@ def test_wrong_gpu_arch_is_not_tuned(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
     assert "sm80" in tune_mod._cannot_measure(FP8_GEMM, "sm90")
-    assert tune_mod._cannot_measure(LM_HEAD, "sm90") is None
+    assert tune_mod._cannot_measure(TOY, "sm90") is None
 
 
 def _raise(msg):
@@ -238,7 +224,7 @@ def test_gemm_table_expands_tuned_buckets_to_pow2():
         _gemm_entry(512, 64, 1, f8_fast, [(f8_fast, 3.0), (f8_slow, 4.0), (bf, 5.0)]),
         _gemm_entry(512, 64, 8, f8_slow, [(f8_slow, 3.0), (bf, 5.0)]),
         _gemm_entry(512, 64, 64, bf, [(f8_slow, 9.0), (f8_fast, 8.0), (bf, 5.0)]),
-        {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}]}
+        {"op": "toy", "bucket": {"m": 1}, "config": {"delay": 2}}]}
     table = gemm_table(tuned)
     covered_by = {1: 1, 2: 8, 4: 8, 8: 8, 16: 64, 32: 64, 64: 64}
     # buckets above the largest tuned M are left to the default config (logged): a small-M config may not run them
@@ -435,7 +421,7 @@ def test_moe_table_covers_buckets_and_lookup_falls_back_once(caplog):
     c8 = dataclasses.replace(c1, split13=3, pdl=True)
     tuned = {"entries": [{"op": "moe", "bucket": {**shape, "m": 1}, "config": c1.to_dict()},
                          {"op": "moe", "bucket": {**shape, "m": 8}, "config": c8.to_dict()},
-                         {"op": "lm_head", "bucket": {"m": 1, "v": 10, "d": 4}, "config": {"chunk": 8192}}]}
+                         {"op": "toy", "bucket": {"m": 1}, "config": {"delay": 2}}]}
     table = moe_table(tuned)
     assert set(table) == {moe_config.key_str(16, 64, 256, 2, b) for b in (1, 2, 4, 8)}
     try:
