@@ -62,7 +62,8 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                  ep_size: int) -> dict[str, int]:
     """Attach plugins to `model` in place; `kept[entry name]` = {"q", "s"(, "bf16")} from the engine.
     Returns how many sites each op bound."""
-    import dsflash.plugins.registry  # noqa: F401  (registers torch.ops.dsflash.*)
+    from dsflash.plugins import registry   # registers torch.ops.dsflash.*
+    dispatch.use_eager_ops(registry.eager_ops)
     if not model.numerics.deploy:
         raise ValueError("plugins implement deploy numerics; load the model with numerics='deploy'")
     bound = {op: 0 for op in plugins}

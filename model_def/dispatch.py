@@ -2,7 +2,8 @@
 
 A reference module runs plain PyTorch until an engine loader attaches a plugin to it (`build/bind.py`); the plugin
 modules below hold the tensors in the layout their kernel reads and call `torch.ops.dsflash.*`, which are
-registered by `dsflash.plugins.registry` (imported by whoever binds; model_def imports no plugin code). On CPU
+registered by `dsflash.plugins.registry` (imported by whoever binds; model_def imports no plugin code); eager
+forwards call the same functions without the dispatcher once the binder installed them (`use_eager_ops`). On CPU
 tensors the same ops run the plugins' plain-PyTorch `*_ref`, so the wiring is testable without a GPU.
 
 Which ops an engine binds is recorded in engine.json's `plugins` ({op: impl}); `PLUGIN_IMPLS` lists the choices.
@@ -35,11 +36,22 @@ PLUGIN_IMPLS = {
 MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]
 _warned: set[str] = set()
 _ops = None
+_eager_ops = None
+
+
+def use_eager_ops(namespace) -> None:
+    """Install the plugin ops as plain functions (`dsflash.plugins.registry.eager_ops`, by the engine loader): eager
+    forwards then call them without the dispatcher; traced ones (torch.compile) still go through torch.ops."""
+    global _eager_ops
+    _eager_ops = namespace
 
 
 def ops():
-    """torch.ops.dsflash, with a clear message when nothing registered it (checked once: this is on every call)."""
+    """The plugin ops: the installed plain functions outside tracing, else torch.ops.dsflash, with a clear message
+    when nothing registered them (checked once: this is on every call)."""
     global _ops
+    if _eager_ops is not None and not torch.compiler.is_compiling():
+        return _eager_ops
     if _ops is None:
         if not hasattr(torch.ops.dsflash, "fp8_linear"):
             raise RuntimeError("dsflash plugin ops are not registered: import dsflash.plugins.registry before running "

@@ -27,6 +27,8 @@ Both need K % 128 == 0. Imports Triton's Gluon: load this module lazily.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -362,6 +364,17 @@ def _fp8_gemm_g32_gluon_decode_kernel(w_desc, a_desc, out_ptr, ws_ptr, as_ptr, p
                              pid_k, SPLIT, MAX_SPLIT)
 
 
+@functools.cache
+def e4m3_smem_layout(rows: int):
+    """The shared-memory layout of a [rows, BLOCK_K] e4m3 TMA box, made once per shape rather than at every launch."""
+    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv)
+
+
+@functools.cache
+def _bf16_unswizzled():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
 def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, cfg: GemmConfig,
                    out: torch.Tensor, group: int = 32) -> torch.Tensor:
     """out [M, N] bf16 = group-32 FP8 GEMM; operands already checked by `fp8_gemm.gemm_operands` and `fp8_gemm`
@@ -380,10 +393,8 @@ def fp8_gemm_gluon(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s:
     if cfg.swap_ab:
         return _decode(a_q, sa, as_e8, w_q, ws8, cfg, out)
     bm, bn = cfg.block_p, cfg.block_q
-    a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
-    b_desc = TensorDescriptor(w_q, [n, k], [k, 1], [bn, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv))
+    a_desc = TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, BLOCK_K], e4m3_smem_layout(bm))
+    b_desc = TensorDescriptor(w_q, [n, k], [k, 1], [bn, BLOCK_K], e4m3_smem_layout(bn))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), )
     _fp8_gemm_g32_gluon_kernel[grid](
         a_desc, b_desc, out, sa, ws8, m, n, k, out.stride(0), sa.stride(0), ws8.stride(0),
@@ -428,12 +439,10 @@ def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Te
     m, k = a.shape
     n = w_q.shape[0]
     assert m <= cfg.block_q, f"the Gluon decode GEMM takes M <= {cfg.block_q} tokens, got {m}"
-    w_desc = TensorDescriptor(w_q, [n, k], [k, 1], [cfg.block_p, BLOCK_K],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_p, BLOCK_K], gl.float8e4nv))
+    w_desc = TensorDescriptor(w_q, [n, k], [k, 1], [cfg.block_p, BLOCK_K], e4m3_smem_layout(cfg.block_p))
     # the bf16 activation's 256-byte box rows exceed the 128-byte swizzle span TMA allows; only threads read that
     # buffer, so it is left unswizzled
-    a_layout = (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2) if sa is None else
-                gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv))
+    a_layout = _bf16_unswizzled() if sa is None else e4m3_smem_layout(cfg.block_q)
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.block_q, BLOCK_K], a_layout)
     tiles = triton.cdiv(n, cfg.block_p)
     n_st = triton.cdiv(k, BLOCK_K * cfg.kgroups)
@@ -447,6 +456,6 @@ def _decode(a: torch.Tensor, sa: torch.Tensor | None, as_e8: bool, w_q: torch.Te
         PDL=cfg.pdl, QUANT_A=sa is None, A128=a128,
         A_WORDS=as_e8 and sa.stride(0) % 4 == 0 and sa.data_ptr() % 4 == 0, PREFETCH=triton.cdiv(n_st, split) > 1,
         MAX_SPLIT=triton.next_power_of_2(split), WS_Q=ws_q,
-        Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([cfg.block_q, BLOCK_K], gl.float8e4nv),
+        Q_LAYOUT=e4m3_smem_layout(cfg.block_q),
         num_warps=4, launch_pdl=cfg.pdl)
     return out

@@ -289,4 +289,5 @@ def set_table(entries: dict | None) -> None:
 def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1, qblock: int = 32) -> MoeConfig:
     """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
     return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t), ep, qblock),
-                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep, qblock), MoeConfig.tag)
+                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep, qblock), MoeConfig.tag,
+                          args=(t, topk, n_experts, inter, dim, ep, qblock))

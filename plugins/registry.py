@@ -3,12 +3,15 @@
 CUDA tensors run the Triton kernels (their modules are imported on first use, so importing this file needs no
 Triton); CPU tensors run the plain-PyTorch `*_ref` functions. Ops are functional (fresh outputs, no aliasing), allocate
 only their outputs and never sync with the host, so they can be captured in CUDA graphs and traced by torch.compile.
-Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.registry`.
+Call them as `torch.ops.dsflash.<name>(...)` after `import dsflash.plugins.registry`. `eager_ops` holds the same
+functions undecorated: an eager caller that is not being traced skips the dispatcher's ~25 µs per call (H200 host;
+benchmarks/README.md, "Session 37").
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import types
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -19,12 +22,23 @@ QBLOCK = refs.QBLOCK
 NS = 4
 
 
+_EAGER: dict[str, Callable] = {}
+
+
+def _custom_op(name: str):
+    """`torch.library.custom_op(name)` (the ops mutate nothing) that also keeps the plain function for `eager_ops`."""
+    def wrap(fn):
+        _EAGER[name.split("::")[1]] = fn
+        return torch.library.custom_op(name, mutates_args=())(fn)
+    return wrap
+
+
 def _scale_dtype(e8m0: bool) -> torch.dtype:
     return refs.E8M0 if e8m0 else torch.float32
 
 
 # -- activation quantization ------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsflash::act_quant", mutates_args=())
+@_custom_op("dsflash::act_quant")
 def act_quant(x: Tensor, scale_e8m0: bool = False, block: int = QBLOCK) -> tuple[Tensor, Tensor]:
     """x [..., K] -> (e4m3 [..., K], scales [..., K/32] fp32 | e8m0), one scale per 1×block (32 or 128)."""
     fmt = "e8m0" if scale_e8m0 else "fp32"
@@ -40,7 +54,7 @@ def _(x, scale_e8m0=False, block=QBLOCK):
             x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
-@torch.library.custom_op("dsflash::rmsnorm_act_quant", mutates_args=())
+@_custom_op("dsflash::rmsnorm_act_quant")
 def rmsnorm_act_quant(x: Tensor, weight: Tensor, eps: float, scale_e8m0: bool = False, block: int = QBLOCK
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """RMSNorm -> x.dtype -> FP8 1×block: (y [..., K], e4m3 [..., K], scales [..., K/32])."""
@@ -57,7 +71,7 @@ def _(x, weight, eps, scale_e8m0=False, block=QBLOCK):
             x.new_empty((*x.shape[:-1], x.shape[-1] // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
-@torch.library.custom_op("dsflash::rmsnorm", mutates_args=())
+@_custom_op("dsflash::rmsnorm")
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim (K % 32 == 0) in fp32, rounded to x.dtype: the model's `RMSNorm` in one launch."""
     if x.is_cuda:
@@ -71,7 +85,7 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("dsflash::rmsnorm_pair", mutates_args=())
+@_custom_op("dsflash::rmsnorm_pair")
 def rmsnorm_pair(a: Tensor, wa: Tensor, b: Tensor, wb: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Two RMSNorms (e.g. q_norm and kv_norm over the stacked wq_a|wkv output's column slices) in one launch."""
     if a.is_cuda:
@@ -85,7 +99,7 @@ def _(a, wa, b, wb, eps):
     return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
-@torch.library.custom_op("dsflash::clipped_swiglu", mutates_args=())
+@_custom_op("dsflash::clipped_swiglu")
 def clipped_swiglu(g: Tensor, u: Tensor, limit: float) -> Tensor:
     """The shared expert's silu(min(g, L)) · clamp(u, ±L) in fp32, rounded to BF16 (deploy numerics, before w2)."""
     if g.is_cuda:
@@ -99,7 +113,7 @@ def _(g, u, limit):
     return g.new_empty(g.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("dsflash::act_quant_dequant", mutates_args=())
+@_custom_op("dsflash::act_quant_dequant")
 def act_quant_dequant(x: Tensor, weight: Optional[Tensor] = None, eps: float = 0.0, block: int = QBLOCK) -> Tensor:
     """(RMSNorm ->) FP8 1×block quantize -> dequantize, in x.dtype: the BF16-cache GEMM's activation."""
     if x.is_cuda:
@@ -114,7 +128,7 @@ def _(x, weight=None, eps=0.0, block=QBLOCK):
 
 
 # -- GEMMs ------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsflash::fp8_gemm", mutates_args=())
+@_custom_op("dsflash::fp8_gemm")
 def fp8_gemm(a_q: Tensor, a_s: Tensor, w_q: Tensor, w_s: Tensor, group: int = QBLOCK) -> Tensor:
     """Group-32 FP8 GEMM: e4m3 [M, K] (1×32 scales) × e4m3 [N, K] (32×32 e8m0) -> bf16 [M, N]; tiles from tuning.
     group 128: the scales are V4's 1×128 / 128×128 ones in that format (fewer promotions)."""
@@ -129,7 +143,7 @@ def _(a_q, a_s, w_q, w_s, group=QBLOCK):
     return a_q.new_empty((a_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("dsflash::bf16_cache_gemm", mutates_args=())
+@_custom_op("dsflash::bf16_cache_gemm")
 def bf16_cache_gemm(x: Tensor, w_bf16: Tensor, act_block: int = QBLOCK) -> Tensor:
     """x [M, K] bf16 -> FP8 1×act_block quantize/dequantize -> @ w_bf16ᵀ (BF16 tensor cores) -> bf16 [M, N]."""
     if x.is_cuda:
@@ -143,7 +157,7 @@ def _(x, w_bf16, act_block=QBLOCK):
     return x.new_empty((*x.shape[:-1], w_bf16.shape[0]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("dsflash::fp8_linear", mutates_args=())
+@_custom_op("dsflash::fp8_linear")
 def fp8_linear(x: Tensor, w_q: Tensor, w_s: Tensor, w_bf16: Optional[Tensor] = None, act_block: int = QBLOCK,
                w_s_t: Optional[Tensor] = None) -> Tensor:
     """An FP8 linear in deploy numerics: x bf16 [M, K] -> FP8 1×act_block quantize -> GEMM -> bf16 [M, N].
@@ -197,7 +211,7 @@ def _(x, w_q, w_s, w_bf16=None, act_block=QBLOCK, w_s_t=None):
 
 
 # -- mHC --------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsflash::hc_mix", mutates_args=())
+@_custom_op("dsflash::hc_mix")
 def hc_mix(xflat: Tensor, fn: Tensor, fn_split: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float,
            norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """mHC coefficients (pre, post, comb) in fp32 from xflat [T, 4·D]. fn [24, 4·D] fp32 (reference path);
@@ -215,7 +229,7 @@ def _(xflat, fn, fn_split, base, scale, iters, hc_eps, norm_eps):
     return xflat.new_empty((t, NS), dtype=f), xflat.new_empty((t, NS), dtype=f), xflat.new_empty((t, NS, NS), dtype=f)
 
 
-@torch.library.custom_op("dsflash::hc_pre", mutates_args=())
+@_custom_op("dsflash::hc_pre")
 def hc_pre(X: Tensor, pre: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
     """Collapse Σ_j pre_j·X_j -> RMSNorm -> bf16 [T, D]."""
     if X.is_cuda:
@@ -229,7 +243,7 @@ def _(X, pre, norm_weight, eps):
     return X.new_empty((X.shape[0], X.shape[2]))
 
 
-@torch.library.custom_op("dsflash::hc_pre_quant", mutates_args=())
+@_custom_op("dsflash::hc_pre_quant")
 def hc_pre_quant(X: Tensor, pre: Tensor, norm_weight: Tensor, eps: float, scale_e8m0: bool = False
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Collapse -> RMSNorm -> (y bf16 [T, D], e4m3 [T, D], scales [T, D/32])."""
@@ -247,7 +261,7 @@ def _(X, pre, norm_weight, eps, scale_e8m0=False):
             X.new_empty((t, d // QBLOCK), dtype=_scale_dtype(scale_e8m0)))
 
 
-@torch.library.custom_op("dsflash::hc_post", mutates_args=())
+@_custom_op("dsflash::hc_post")
 def hc_post(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """X'_k = post_k·f(x) + Σ_j comb[j,k]·X_j -> [T, 4, D] in X.dtype."""
     if X.is_cuda:
@@ -261,7 +275,7 @@ def _(X, fx, post, comb):
     return torch.empty_like(X)
 
 
-@torch.library.custom_op("dsflash::hc_post_pre", mutates_args=())
+@_custom_op("dsflash::hc_post_pre")
 def hc_post_pre(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor, next_pre: Tensor, norm_weight: Tensor,
                 eps: float) -> tuple[Tensor, Tensor]:
     """Expand fused with the next site's collapse (V4.1 lagged pre) + RMSNorm: (X' [T, 4, D], y [T, D])."""
@@ -276,7 +290,7 @@ def _(X, fx, post, comb, next_pre, norm_weight, eps):
     return torch.empty_like(X), X.new_empty((X.shape[0], X.shape[2]))
 
 
-@torch.library.custom_op("dsflash::hc_post_pre_quant", mutates_args=())
+@_custom_op("dsflash::hc_post_pre_quant")
 def hc_post_pre_quant(X: Tensor, fx: Tensor, post: Tensor, comb: Tensor, next_pre: Tensor, norm_weight: Tensor,
                       eps: float, scale_e8m0: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Expand + next collapse + RMSNorm + FP8: (X' [T, 4, D], y [T, D], e4m3 [T, D], scales [T, D/32])."""
@@ -295,7 +309,7 @@ def _(X, fx, post, comb, next_pre, norm_weight, eps, scale_e8m0=False):
 
 
 # -- MoE (V4.1 router + MXFP4 routed experts) -------------------------------------------------------------------------
-@torch.library.custom_op("dsflash::moe_router", mutates_args=())
+@_custom_op("dsflash::moe_router")
 def moe_router(x: Tensor, gate_w: Tensor, bias: Tensor, topk: int, route_scale: float, gate_temp: float = 1.0
                ) -> tuple[Tensor, Tensor]:
     """sqrt(softplus(x·Wgᵀ / gate_temp)) + bias -> top-k ids int32 [T, k], weights fp32 [T, k] (normalised, scaled)."""
@@ -313,7 +327,7 @@ def _(x, gate_w, bias, topk, route_scale, gate_temp=1.0):
     return x.new_empty((t, topk), dtype=torch.float32), x.new_empty((t, topk), dtype=torch.int32)
 
 
-@torch.library.custom_op("dsflash::moe", mutates_args=())
+@_custom_op("dsflash::moe")
 def moe(x: Tensor, gate_w: Tensor, gate_bias: Optional[Tensor], topk: int, route_scale: float, w13_q: Tensor,
         w13_s: Tensor, w2_q: Tensor, w2_s: Tensor, swiglu_limit: float, inter: int, shared: Optional[Tensor] = None,
         gate_temp: float = 1.0, expert_start: int = 0, qblock: int = 32, hash_ids: Optional[Tensor] = None) -> Tensor:
@@ -340,7 +354,7 @@ def _(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_
 
 
 # -- WO-A -------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsflash::wo_a", mutates_args=())
+@_custom_op("dsflash::wo_a")
 def wo_a(o: Tensor, cos: Tensor, sin: Tensor, w: Tensor) -> Tensor:
     """Inverse RoPE (last 2·cos.shape[-1] channels of each head) + grouped projection: o [T, H, d] -> [T, G·R]."""
     if o.is_cuda:
@@ -357,3 +371,5 @@ def _(o, cos, sin, w):
 OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "rmsnorm_pair", "clipped_swiglu", "act_quant_dequant",
        "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
        "hc_post_pre_quant", "moe_router", "moe", "wo_a")
+assert set(_EAGER) == set(OPS), sorted(set(_EAGER) ^ set(OPS))
+eager_ops = types.SimpleNamespace(**_EAGER)

@@ -404,25 +404,35 @@ def candidates(n: int, k: int, m: int, group: int = 32) -> list[GemmConfig]:
 # -- the table build writes and serve reads --------------------------------------------------------------------------
 class ConfigTable:
     """Serve-side tuned configs with a visible fallback: a key missing from the installed table (or any key while no
-    table is installed) gets the caller's default, and that is logged once per key (never silently)."""
+    table is installed) gets the caller's default, and that is logged once per key (never silently). Answers are
+    kept per call (`args`: the lookup's full arguments) until the next install: serve looks a config up on every
+    launch, and a default is derived by walking the tuning space (a full-size rank's untuned decode step spent
+    55 of its 275 ms there; benchmarks/README.md, "Session 37")."""
 
     def __init__(self, what: str, label: Callable[[Hashable], str], logger: logging.Logger):
         self.what, self.label, self.log = what, label, logger
         self.entries: dict | None = None
         self._warned: set = set()
+        self._answers: dict = {}
 
     def install(self, entries: dict | None) -> None:
         self._warned.clear()
+        self._answers.clear()
         self.entries = entries
 
-    def get(self, key: Hashable, default: Callable[[], T], tag: Callable[[T], str]) -> T:
+    def get(self, key: Hashable, default: Callable[[], T], tag: Callable[[T], str], args: Hashable = None) -> T:
+        if args is not None and args in self._answers:
+            return self._answers[args]
         if self.entries is not None and key in self.entries:
-            return self.entries[key]
-        value = default()
-        if key not in self._warned:
-            self._warned.add(key)
-            self.log.warning("%s %s: no tuned entry%s, using the default config %s", self.what, self.label(key),
-                             "" if self.entries is not None else " (no table loaded)", tag(value))
+            value = self.entries[key]
+        else:
+            value = default()
+            if key not in self._warned:
+                self._warned.add(key)
+                self.log.warning("%s %s: no tuned entry%s, using the default config %s", self.what, self.label(key),
+                                 "" if self.entries is not None else " (no table loaded)", tag(value))
+        if args is not None:
+            self._answers[args] = value
         return value
 
 
@@ -452,7 +462,7 @@ def lookup(n: int, k: int, m: int, arch: str | None = None, group: int = 32) -> 
     """(path, config) for a GEMM of M tokens on `arch` (the running GPU's) whose scales are constant over `group`
     K; falls back to ("fp8", default_config) and logs that once per key."""
     return _gemm_table.get((n, k, m_bucket(m)), lambda: ("fp8", default_config(n, k, m, arch, group)),
-                           lambda v: v[1].tag())
+                           lambda v: v[1].tag(), args=(n, k, m, arch, group))
 
 
 def get_config(n: int, k: int, m: int, arch: str | None = None, group: int = 32) -> GemmConfig:

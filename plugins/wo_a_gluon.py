@@ -15,6 +15,8 @@ Triton's Gluon: load this module lazily.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -159,6 +161,12 @@ def slice_boxes(kg: int, boxes: int, split: int) -> tuple[int, int]:
     return s, triton.cdiv(n_st, s) * boxes
 
 
+@functools.cache
+def _bf16_smem_layout(rows: int):
+    """The shared-memory layout of a [rows, BOX] bf16 TMA box, made once per shape rather than at every launch."""
+    return gl.NVMMASharedLayout.get_default_for([rows, BOX], gl.bfloat16)
+
+
 def wo_a_gluon_decode(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor, r: int, boxes: int,
                       num_stages: int, split: int, pdl: bool) -> torch.Tensor:
     """z [T, G·R] BF16 for o [T, H, d] BF16 contiguous, cos/sin [T, RD/2] fp32, W_a [G·R, KG] BF16 contiguous
@@ -173,11 +181,9 @@ def wo_a_gluon_decode(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: 
     ws_q = decode_ws_tokens(t, TILE_TOKENS)
     part = torch.empty((split, rows, ws_q), dtype=torch.float32, device=o.device) if split > 1 else out
     cnt = split_counter(o.device, tiles, "wo_a_gluon") if split > 1 else out
-    w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [TILE_ROWS, BOX],
-                              gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BOX], gl.bfloat16))
+    w_desc = TensorDescriptor(w, [rows, kg], [kg, 1], [TILE_ROWS, BOX], _bf16_smem_layout(TILE_ROWS))
     ov = o.view(t, h * d)
-    o_desc = TensorDescriptor(ov, [t, h * d], [h * d, 1], [TILE_TOKENS, BOX],
-                              gl.NVMMASharedLayout.get_default_for([TILE_TOKENS, BOX], gl.bfloat16))
+    o_desc = TensorDescriptor(ov, [t, h * d], [h * d, 1], [TILE_TOKENS, BOX], _bf16_smem_layout(TILE_TOKENS))
     nh = triton.cdiv(max_boxes * BOX, d) + 1        # heads whose last box can fall in one slice
     _wo_a_gluon_decode_kernel[(tiles, split)](
         w_desc, o_desc, ov, cos, sin, out, part, cnt,

@@ -114,6 +114,22 @@ def test_site_parity_catches_a_wrong_binding(sm90_engine):
     assert {"layers.2.ffn", "layers.3.attn.wo_b", "layers.1.ffn.shared_experts.w13", "layers.0.attn.wqkv_a"} <= bad
 
 
+def test_bound_models_call_the_ops_without_the_dispatcher_unless_traced(sm90_engine, monkeypatch):
+    """After binding, eager forwards call the plain op functions (`registry.eager_ops`); the logits equal those
+    through torch.ops.dsflash, and a traced forward (torch.compile) is handed torch.ops."""
+    from dsflash.model_def import dispatch
+    from dsflash.plugins import registry
+    model, _ = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
+    assert dispatch.ops() is registry.eager_ops
+    ids = torch.randint(0, model.args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4))
+    eager = model.logits(ids)
+    monkeypatch.setattr(dispatch, "_eager_ops", None)
+    assert torch.equal(model.logits(ids), eager)
+    monkeypatch.setattr(dispatch, "_eager_ops", registry.eager_ops)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.ops() is torch.ops.dsflash
+
+
 def test_reference_override_binds_nothing(sm90_engine):
     model, _ = load_engine_model(sm90_engine, check_arch=False, plugins="reference")
     assert all(getattr(m, "plugin", None) is None and getattr(m, "hc_plugin", None) is None

@@ -216,6 +216,27 @@ def _gemm_entry(n, k, m, won, timed):
             "time_us": min(t for _, t in timed), "candidates": {tune_mod._key(c): t for c, t in timed}}
 
 
+def test_serve_lookups_derive_a_default_once_per_call_shape(monkeypatch, caplog):
+    """A default config is derived once per (shape, M, arch, group) and kept until a table is installed; the
+    fallback is still logged once per bucket."""
+    calls = []
+    real = tuning.default_config
+    monkeypatch.setattr(tuning, "default_config", lambda *a: calls.append(a) or real(*a))
+    tuning.set_table({})
+    try:
+        with caplog.at_level(logging.WARNING, logger=tuning.log.name):
+            first = [tuning.lookup(512, 256, m, "sm90") for m in (1, 1, 3, 3, 1)]
+        assert calls == [(512, 256, 1, "sm90", 32), (512, 256, 3, "sm90", 32)]
+        assert first[0] is first[1] is first[4] and first[0] == ("fp8", real(512, 256, 1, "sm90"))
+        msgs = [r.getMessage() for r in caplog.records]
+        assert [sum("512x256@1:" in m for m in msgs), sum("512x256@4:" in m for m in msgs)] == [1, 1]
+        tuned = tuning.GemmConfig(64, 16, 2, 4, 6, swap_ab=True)
+        tuning.set_table({"512x256@4": {"path": "fp8", "config": tuned.to_dict()}})
+        assert tuning.lookup(512, 256, 3, "sm90") == ("fp8", tuned)     # the install dropped the kept answers
+    finally:
+        tuning.set_table(None)
+
+
 def test_gemm_table_expands_tuned_buckets_to_pow2():
     fast, slow = tuning.GemmConfig(64, 16, 2, 4, 6, swap_ab=True), tuning.default_config(512, 64, 1)
     f8_fast, f8_slow = {"path": "fp8", "config": fast.to_dict()}, {"path": "fp8", "config": slow.to_dict()}
