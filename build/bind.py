@@ -108,6 +108,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
                 mod.wo_a.weight.data = mod.wo_a.weight.data.to(torch.bfloat16).contiguous()
                 mod.fused_wo_a = True
                 bound["wo_a"] += 1
+    if plugins.get("kv_quant") == "fused":
+        for mod in model.modules():
+            if isinstance(mod, Attention):   # V4.1's window rows (V4 engines keep the reference)
+                mod.fused_kv_quant = True
+                bound["kv_quant"] += 1
     for op, n in bound.items():
         if n == 0 and plugins[op] != dispatch.REFERENCE:   # said once, never a silent reference
             dispatch.warn_once(f"unbound:{op}", "plugin %s=%s bound no site of this model; it runs the reference",
@@ -313,6 +318,8 @@ def _reference_copy(mod):
                 setattr(m, attr, None)
         if getattr(m, "fused_wo_a", False):
             m.fused_wo_a = False
+        if getattr(m, "fused_kv_quant", False):
+            m.fused_kv_quant = False
     return ref.float()
 
 

@@ -260,6 +260,7 @@ class Attention(nn.Module):
         self.indexer = (Indexer(args, layer, numerics, mapping, comm, dtype) if self.index_source == layer
                         else None)
         self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
+        self.fused_kv_quant = False   # set by an engine loader binding the kv_quant plugin
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
         self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
 
@@ -276,9 +277,11 @@ class Attention(nn.Module):
         """K = V rows: FP8(RoPE(kv_norm(wkv · x))). x [B,S,D], positions [B,S] -> [B,S,head_dim]."""
         return self._window_rows(self.kv_norm(self.wkv(x)), positions, inv)
 
-    @staticmethod
-    def _window_rows(kvn, positions, inv):
-        return fake_quant_fp8(apply_rope(kvn, positions, inv), WINDOW_KV_BLOCK)
+    def _window_rows(self, kvn, positions, inv):
+        rows = apply_rope(kvn, positions, inv)
+        if self.fused_kv_quant:   # one launch for the ~20 ops of the quantize-dequantize below
+            return dispatch.ops().act_quant_dequant(rows, None, 0.0, WINDOW_KV_BLOCK)
+        return fake_quant_fp8(rows, WINDOW_KV_BLOCK)
 
     def _output(self, q, keys, allowed, positions, inv):
         return self._project(sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5), positions, inv)

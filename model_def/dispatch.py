@@ -31,6 +31,8 @@ PLUGIN_IMPLS = {
     "wo_a": (REFERENCE, "fused"),        # inverse RoPE + grouped output projection
     "norm": (REFERENCE, "fused"),        # RMSNorm in one kernel (q_norm, kv_norm, k_norm, the final norm, ...)
     "swiglu": (REFERENCE, "fused"),      # the shared expert's clipped SwiGLU (+ BF16 rounding) in one kernel
+    # V4.1's window KV rows (RoPE'd K = V) quantized FP8 1×32 and back in one kernel (`act_quant_dequant`)
+    "kv_quant": (REFERENCE, "fused"),
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
 MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]

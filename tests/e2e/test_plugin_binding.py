@@ -39,7 +39,8 @@ def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
-    assert sm90["wo_a"] == "fused"
+    assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused"
+    assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
     with pytest.raises(ValueError, match="not a plugin op"):
@@ -128,6 +129,25 @@ def test_bound_models_call_the_ops_without_the_dispatcher_unless_traced(sm90_eng
     monkeypatch.setattr(dispatch, "_eager_ops", registry.eager_ops)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert dispatch.ops() is torch.ops.dsflash
+
+
+def test_window_rows_quantize_in_one_op_exactly_as_the_reference(sm90_engine):
+    """kv_quant=fused: every V4.1 attention's window KV rows go through act_quant_dequant, bit-identical to the
+    reference fake quantization (here the op's CPU path; its kernel equals that bit for bit: test_act_quant.py)."""
+    from dsflash.model_def.csa2 import Attention, layer_inv_freq
+    model, eng = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert eng.meta["plugins"]["kv_quant"] == "fused" and attns and all(m.fused_kv_quant for m in attns)
+    attn = attns[0]
+    g = torch.Generator().manual_seed(6)
+    kvn = (torch.randn(2, 7, attn.head_dim, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.arange(7).expand(2, -1) + 5
+    inv = layer_inv_freq(model.args, attn.layer, kvn.device)
+    fused = attn._window_rows(kvn, pos, inv)
+    attn.fused_kv_quant = False
+    assert torch.equal(fused, attn._window_rows(kvn, pos, inv))
+    from dsflash.model_def.layers import apply_rope
+    assert not torch.equal(fused, apply_rope(kvn, pos, inv))   # the rows were quantized
 
 
 def test_reference_override_binds_nothing(sm90_engine):
