@@ -126,6 +126,36 @@ def host_profile(model, n: int, context: int, steps: int, top: int = 25) -> dict
                                   for k, c, us in funcs[:top]]}
 
 
+class _Without:
+    """Session 37's host-side savings switched off in this process, for an A/B in one run (`--without-host-fixes`):
+    config lookups re-derived on every call, plugin ops through the torch.ops dispatcher, window KV rows
+    quantized by the reference's ops. (The Gluon layouts made once per shape stay.)"""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        from dsflash.model_def import dispatch
+        from dsflash.model_def.csa2 import Attention
+        from dsflash.plugins import tuning
+        self.saved = (tuning.ConfigTable.get, dispatch._eager_ops)
+        get = tuning.ConfigTable.get
+        tuning.ConfigTable.get = lambda table, key, default, tag, args=None: get(table, key, default, tag)
+        dispatch.use_eager_ops(None)
+        self.kv = [m for m in self.model.modules() if isinstance(m, Attention) and m.fused_kv_quant]
+        for m in self.kv:
+            m.fused_kv_quant = False
+        return self
+
+    def __exit__(self, *exc):
+        from dsflash.model_def import dispatch
+        from dsflash.plugins import tuning
+        tuning.ConfigTable.get = self.saved[0]
+        dispatch.use_eager_ops(self.saved[1])
+        for m in self.kv:
+            m.fused_kv_quant = True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True)
@@ -140,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="on a GPU, also profile the fused steps: kernel ms and kernels per step")
     p.add_argument("--host-profile", action="store_true",
                    help="also profile a fused step's host side: torch ops and Python functions per step")
+    p.add_argument("--without-host-fixes", action="store_true",
+                   help="also time the fused steps with session 37's host-side savings switched off (same process)")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
@@ -153,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(v) for v in a.requests.split(",")):
         fused = time_steps(model, n, a.context, a.steps, fused=True)
         rows.append({"requests": n, "fused_ms": round(fused, 2)})
+        if a.without_host_fixes:
+            with _Without(model):
+                rows[-1]["fused_ms_without_host_fixes"] = round(time_steps(model, n, a.context, a.steps, True), 2)
         if not a.fused_only:
             alone = time_steps(model, n, a.context, a.steps, fused=False)
             rows[-1] |= {"per_request_ms": round(alone, 2), "speedup": round(alone / fused, 2)}
@@ -168,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("top_torch_ops", "top_python_own_us", "top_ours_cumulative_us"):
             for r in rows[-1].get(key, [])[:25]:
                 print(f"  {key}: {r}", flush=True)
-    print("| requests | fused ms/step | per-request ms/step | speedup | GPU kernel ms/step | kernels/step |\n"
-          "|---|---|---|---|---|---|")
+    print("| requests | fused ms/step | without host fixes | per-request ms/step | speedup | GPU kernel ms/step | "
+          "kernels/step |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('per_request_ms', '-')} | {r.get('speedup', '-')} | "
-              f"{r.get('kernel_ms', '-')} | {r.get('kernels', '-')} |")
+        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('fused_ms_without_host_fixes', '-')} | "
+              f"{r.get('per_request_ms', '-')} | {r.get('speedup', '-')} | {r.get('kernel_ms', '-')} | "
+              f"{r.get('kernels', '-')} |")
     if a.json:
         meta = {"engine": a.engine, "simulate_rank": a.simulate_rank, "context": a.context, "steps": a.steps,
                 "device": str(model.head.weight.device), "torch": torch.__version__}
