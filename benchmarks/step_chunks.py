@@ -9,6 +9,9 @@ token: "fused" runs them as one forward (what `dsflash serve` does), "per reques
 --kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time.
 --host-profile (any device) reports where a fused step's host time goes: the torch ops it calls (count and self
 CPU µs per step) and the Python functions that take the most time of their own (cProfile).
+--cuda-graph (V4.1 engines) also times the fused steps with their pieces replayed as graphs
+(serve/runtime/cuda_graphs.py; real CUDA graphs on a GPU, the stand-in on CPU) and checks that the graph steps give
+the eager steps' logits.
 """
 from __future__ import annotations
 
@@ -126,6 +129,32 @@ def host_profile(model, n: int, context: int, steps: int, top: int = 25) -> dict
                                   for k, c, us in funcs[:top]]}
 
 
+def graph_parity(model, n: int, context: int, steps: int) -> dict:
+    """The same decode steps (same prompts, same fed tokens) eager twice and with graphs: whether the eager steps
+    repeat bit for bit (the baseline: the MoE sums its experts' outputs with fp32 atomics, in arrival order, so
+    several tokens' steps need not) and ‖Δ‖/‖ref‖ between them; whether the graph steps give the eager logits, ‖Δ‖ /
+    ‖ref‖ and max |Δ|."""
+    runs = []
+    for graphs in (None, None, model.cuda_graphs):
+        saved, model.cuda_graphs = model.cuda_graphs, graphs
+        try:
+            states, next_ids = _decoding(model, n, context, seed=300 + n)
+            ids = next_ids(steps)
+            runs.append([torch.cat(model.step_chunks([Chunk(ids[i * n + j], s) for j, s in enumerate(states)]))
+                         for i in range(steps)])
+        finally:
+            model.cuda_graphs = saved
+    eager, again, graph = runs
+
+    def rel(xs, ys):
+        return max(float((x - y).norm() / y.norm()) for x, y in zip(xs, ys))
+    return {"eager_repeat_equal": all(torch.equal(a, b) for a, b in zip(eager, again)),
+            "eager_repeat_rel": rel(again, eager), "graph_rel": rel(graph, eager),
+            "graph_logits_equal": all(torch.equal(a, b) for a, b in zip(graph, eager)),
+            "graph_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(graph, eager)),
+            "graph_argmax_equal": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(graph, eager))}
+
+
 class _Without:
     """Session 37's host-side savings switched off in this process, for an A/B in one run (`--without-host-fixes`):
     config lookups re-derived on every call, plugin ops through the torch.ops dispatcher, window KV rows
@@ -172,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also profile a fused step's host side: torch ops and Python functions per step")
     p.add_argument("--without-host-fixes", action="store_true",
                    help="also time the fused steps with session 37's host-side savings switched off (same process)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time the fused steps as piecewise graphs (V4.1), and check their logits")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
@@ -188,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.without_host_fixes:
             with _Without(model):
                 rows[-1]["fused_ms_without_host_fixes"] = round(time_steps(model, n, a.context, a.steps, True), 2)
+        if a.cuda_graph:
+            from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs, StandInBackend
+            backend = None if torch.device(model.head.weight.device).type == "cuda" else StandInBackend()
+            model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
+            try:
+                rows[-1]["graph_ms"] = round(time_steps(model, n, a.context, a.steps, True), 2)
+                rows[-1] |= graph_parity(model, n, a.context, 4) | {"graph_counts": model.cuda_graphs.counts,
+                                                                     "graph_disabled": model.cuda_graphs.disabled}
+            finally:
+                model.cuda_graphs = None
         if not a.fused_only:
             alone = time_steps(model, n, a.context, a.steps, fused=False)
             rows[-1] |= {"per_request_ms": round(alone, 2), "speedup": round(alone / fused, 2)}
@@ -203,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("top_torch_ops", "top_python_own_us", "top_ours_cumulative_us"):
             for r in rows[-1].get(key, [])[:25]:
                 print(f"  {key}: {r}", flush=True)
-    print("| requests | fused ms/step | without host fixes | per-request ms/step | speedup | GPU kernel ms/step | "
-          "kernels/step |\n|---|---|---|---|---|---|---|")
+    print("| requests | fused ms/step | CUDA graphs ms/step | without host fixes | per-request ms/step | speedup | "
+          "GPU kernel ms/step | kernels/step |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('fused_ms_without_host_fixes', '-')} | "
+        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('graph_ms', '-')} | "
+              f"{r.get('fused_ms_without_host_fixes', '-')} | "
               f"{r.get('per_request_ms', '-')} | {r.get('speedup', '-')} | {r.get('kernel_ms', '-')} | "
               f"{r.get('kernels', '-')} |")
     if a.json:

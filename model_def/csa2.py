@@ -242,6 +242,7 @@ class Attention(nn.Module):
         if h % tp or g % tp:
             raise ValueError(f"num_attention_heads={h} and o_groups={g} must be divisible by tp={tp}")
         self.args, self.layer, self.ratio = args, layer, args.ratio(layer)
+        self.act_dtype = dtype   # the model's activations (the compressor's pooled latents are cast to it)
         self.n_local, self.g_local, self.head_dim, self.window = h // tp, g // tp, d, args.sliding_window
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank, numerics, "fp8", dtype=dtype)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -295,28 +296,43 @@ class Attention(nn.Module):
 
     # -- target model: the chunks of one forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctxs: list, rag: Ragged, batch: "DecodeBatch | None" = None) -> torch.Tensor:
-        """x [1,T,D] (after attn_norm; `rag` lays the chunks out) -> [1,T,D]. ctxs[i] (`ChunkContext` in v41.py)
-        carries chunk i's positions, request state and per-forward selections. Every projection (queries, window
-        rows, compressor, indexer queries, output) runs once over all T rows and the indexer's TP all-reduce once
-        for all chunks; the compressor's pooling (it appends to each request's cache) chunk by chunk. The window,
-        index scores, top-k and attention run once for `batch` (the forward's single-token chunks, see
-        `DecodeBatch`) and chunk by chunk for the others."""
+        """x [1,T,D] (after attn_norm; `rag` lays the chunks out) -> [1,T,D]: `prepare`, `core`, `finish`."""
         pos = rag.positions
+        return self.finish(self.core(self.prepare(x, pos), ctxs, rag, batch), pos)
+
+    def prepare(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """The per-token part before the caches, run once over all T rows of x [1,T,D] at positions [1,T]:
+        (q [1,T,h,d] roped, window rows kv [1,T,d], the compressor's projections (kv, gate or None) on a KV source
+        else None, the index queries (q, w) on an index source else None). Reads nothing but x, the positions and
+        the weights, so a decode step's copy of it can be replayed as a CUDA graph (v41.py, `_piece`)."""
         inv = layer_inv_freq(self.args, self.layer, x.device)
         q_res, q, kv = self._query_kv(x, pos, inv)
+        comp = self.compressor.project(x) if self.compressor is not None else None
+        iq = self.indexer.queries(x, q_res, pos, inv) if self.indexer is not None else None
+        return q, kv, comp, iq
+
+    def finish(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The per-token part after the caches: attention output o [1,T,h,d] -> [1,T,D] (`_project`)."""
+        return self._project(o, pos, layer_inv_freq(self.args, self.layer, o.device))
+
+    def core(self, prepared: tuple, ctxs: list, rag: Ragged, batch: "DecodeBatch | None" = None) -> torch.Tensor:
+        """What reads and writes the requests' caches, from `prepare`'s outputs -> attention output o [1,T,h,d].
+        ctxs[i] (`ChunkContext` in v41.py) carries chunk i's positions, request state and per-forward selections.
+        The compressor's pooling (it appends to each request's cache) runs chunk by chunk, the indexer's TP
+        all-reduce once for all chunks; the window, index scores, top-k and attention run once for `batch` (the
+        forward's single-token chunks, see `DecodeBatch`) and chunk by chunk for the others."""
+        q, kv, (kv_p, gate_p), iq = (*prepared[:2], prepared[2] or (None, None), prepared[3])
+        inv = layer_inv_freq(self.args, self.layer, q.device)
         none = [None] * len(ctxs)
-        comp = none
-        if self.compressor is not None:
-            kv_p, gate_p = self.compressor.project(x)
-            comp = list(zip(rag.split(kv_p), none if gate_p is None else rag.split(gate_p)))
-        iq = none if self.indexer is None else list(zip(*map(rag.split, self.indexer.queries(x, q_res, pos, inv))))
+        comp = none if kv_p is None else list(zip(rag.split(kv_p), none if gate_p is None else rag.split(gate_p)))
+        iq = none if iq is None else list(zip(*map(rag.split, iq)))
         kvs, qs = rag.split(kv), rag.split(q)
         alone = [i for i in range(len(ctxs)) if batch is None or i not in batch.index]
         if self.ratio and comp[0] is not None:   # a KV source: append the groups each chunk completes
             for i in alone:
-                self._compress(comp[i], ctxs[i].state.sources[self.kv_source], inv, kvs[i].shape[0], x.dtype)
+                self._compress(comp[i], ctxs[i].state.sources[self.kv_source], inv, kvs[i].shape[0], self.act_dtype)
             if batch is not None:
-                self._compress_batch(batch, [comp[i] for i in batch.members], inv, x.dtype)
+                self._compress_batch(batch, [comp[i] for i in batch.members], inv, self.act_dtype)
         windows, partials = {}, []
         for i in alone:
             windows[i] = self._window_keys(ctxs[i], kvs[i])
@@ -343,7 +359,7 @@ class Attention(nn.Module):
                                    torch.cat([kvs[i] for i in batch.members]), next(scores, None))
             for k, i in enumerate(batch.members):
                 out[i] = o[k:k + 1]
-        return self._project(rag.join(out), pos, inv)
+        return rag.join(out)
 
     def _attend_batch(self, batch: "DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
                       scores: torch.Tensor | None) -> torch.Tensor:

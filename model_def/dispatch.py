@@ -187,6 +187,11 @@ def side_stream(device: torch.device, slot: int = 0) -> torch.cuda.Stream | None
     return _side_streams[key]
 
 
+def side_streams() -> list[torch.cuda.Stream]:
+    """Every side stream made so far (a failed CUDA-graph capture joins them back: serve/runtime/cuda_graphs.py)."""
+    return list(_side_streams.values())
+
+
 class Forked:
     """`fn(*args)` started on `stream` behind everything queued so far on the current stream; `join()` makes the
     current stream wait for it and returns its result. With `stream` None it runs inline.

@@ -69,12 +69,14 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _e2m1_table() -> torch.Tensor:
-    return torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 code values on `device`, copied there once (a copy per call would be a host-to-device transfer in
+    every forward, which a CUDA graph capture refuses)."""
+    return torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32).to(device)
 
 
 def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
-    return _e2m1_table().to(code.device)[code.long()]
+    return _e2m1_table(code.device)[code.long()]
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:

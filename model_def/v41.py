@@ -230,39 +230,66 @@ class Block(nn.Module):
         """X [B,S,n,D], pre [B,S,n] (from the previous site) -> (X', this block's FFN-site pre).
 
         `attend(x [B,S,D]) -> [B,S,D]` runs the attention (target chunk or draft block)."""
-        if self.hc_plugin is not None:
-            return self._forward_fused_hc(X, pre, attend, image_mask)
-        a_pre, a_post, a_comb = self._mix(X, "attn")
-        X = hc_expand(X, attend(self.attn_norm(hc_collapse(X, pre))), a_post, a_comb)
-        f_pre, f_post, f_comb = self._mix(X, "ffn")
-        X = hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), image_mask), f_post, f_comb)
-        return X, f_pre
+        x, site = self.open_attn(X, pre)
+        return self.close_attn(site, attend(x), image_mask)
 
-    def _forward_fused_hc(self, X, pre, attend, image_mask):
-        """The same block with the mHC plugin: coefficients, collapse + norm, and the attention site's expand fused
-        with the FFN site's (lagged) collapse + norm. A site's coefficients are needed only by its expand, so with
-        `overlap` they run on a side stream while the attention or MoE runs; the collapse + norm are queued first,
-        so the attention or MoE starts at once instead of competing with the coefficient kernels for the SMs."""
+    def open_attn(self, X: torch.Tensor, pre: torch.Tensor, join: bool = False) -> tuple[torch.Tensor, tuple]:
+        """The attention site up to the attention: X [B,S,n,D], pre [B,S,n] -> (x [B,S,D], the attention's input,
+        `site`: what `close_attn` needs). With the mHC plugin (`hc_plugin`): the collapse + norm, its coefficients
+        started beside them on a side stream when it overlaps, and, with `join`, waited for here (a CUDA-graph
+        piece must end with its side streams joined) instead of in `close_attn`."""
+        if self.hc_plugin is None:
+            a_pre, a_post, a_comb = self._mix(X, "attn")
+            return self.attn_norm(hc_collapse(X, pre)), (X, a_pre, a_post, a_comb)
         op, hc = dispatch.ops(), self.hc_plugin
         b, s, n, d = X.shape
         Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
         side = dispatch.side_stream(Xf.device) if hc.overlap else None
-
-        def mix(Xt, site):
-            return op.hc_mix(Xt.view(b * s, n * d), getattr(self, f"hc_{site}_fn"), getattr(hc, f"{site}_split"),
-                             getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters,
-                             self.hc_eps, self.norm_eps)
-
         x = op.hc_pre(Xf, pre.reshape(b * s, n).float().contiguous(), self.attn_norm.weight, self.norm_eps)
-        coeff = dispatch.Forked(side, mix, Xf, "attn")
-        fx = attend(x.view(b, s, d).to(X.dtype)).reshape(b * s, d).to(torch.bfloat16).contiguous()
-        a_pre, a_post, a_comb = coeff.join()
-        Xf, x = op.hc_post_pre(Xf, fx, a_post, a_comb, a_pre, self.ffn_norm.weight, self.norm_eps)
-        coeff = dispatch.Forked(side, mix, Xf, "ffn")
-        fx = self.ffn(x.view(b, s, d).to(X.dtype), image_mask).reshape(b * s, d).to(torch.bfloat16).contiguous()
+        coeff = dispatch.Forked(side, self._fused_mix, Xf, "attn")
+        return x.view(b, s, d).to(X.dtype), (Xf, coeff.join() if join else coeff, X.dtype)
+
+    def close_attn(self, site: tuple, fx: torch.Tensor, image_mask: torch.Tensor | None):
+        """The rest of the block after the attention: `open_attn`'s site, the attention output fx [B,S,D] -> (X',
+        this block's FFN-site pre). With the mHC plugin: the attention site's expand fused with the FFN site's
+        (lagged) collapse + norm; the FFN site's coefficients beside the MoE when the plugin overlaps (they are
+        needed only by its expand), the collapse + norm queued first, so the MoE starts at once instead of
+        competing with the coefficient kernels for the SMs."""
+        if self.hc_plugin is None:
+            X, a_pre, a_post, a_comb = site
+            X = hc_expand(X, fx, a_post, a_comb)
+            f_pre, f_post, f_comb = self._mix(X, "ffn")
+            X = hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, a_pre)), image_mask), f_post, f_comb)
+            return X, f_pre
+        op, hc = dispatch.ops(), self.hc_plugin
+        Xf, coeff, dtype = site
+        t, n, d = Xf.shape
+        b, s = fx.shape[:2]
+        side = dispatch.side_stream(Xf.device) if hc.overlap else None
+        a_pre, a_post, a_comb = coeff.join() if isinstance(coeff, dispatch.Forked) else coeff
+        Xf, x = op.hc_post_pre(Xf, fx.reshape(t, d).to(torch.bfloat16).contiguous(), a_post, a_comb, a_pre,
+                               self.ffn_norm.weight, self.norm_eps)
+        coeff = dispatch.Forked(side, self._fused_mix, Xf, "ffn")
+        fx = self.ffn(x.view(b, s, d).to(dtype), image_mask).reshape(t, d).to(torch.bfloat16).contiguous()
         f_pre, f_post, f_comb = coeff.join()
         Xf = op.hc_post(Xf, fx, f_post, f_comb)
-        return Xf.view(b, s, n, d).to(X.dtype), f_pre.view(b, s, n)
+        return Xf.view(b, s, n, d).to(dtype), f_pre.view(b, s, n)
+
+    def _fused_mix(self, Xf: torch.Tensor, site: str):
+        """The mHC plugin's coefficients (pre, post, comb) of a site from its streams Xf [T, n, D]."""
+        t, n, d = Xf.shape
+        return dispatch.ops().hc_mix(Xf.view(t, n * d), getattr(self, f"hc_{site}_fn"),
+                                     getattr(self.hc_plugin, f"{site}_split"), getattr(self, f"hc_{site}_base"),
+                                     getattr(self, f"hc_{site}_scale"), self.iters, self.hc_eps, self.norm_eps)
+
+
+def _first_rows(t, n: int):
+    """The first n token rows of a [1, T, ...] tensor (None passes; a tuple is taken member by member)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_first_rows(u, n) for u in t)
+    return t if t.shape[1] == n else t[:, :n]
 
 
 def one_hot_pre(shape, n: int, device) -> torch.Tensor:
@@ -349,6 +376,8 @@ class DeepseekV41Model(nn.Module):
         self.head = VocabParallelHead(args.hidden_size, args.vocab_size, numerics, mapping, comm, True, dtype)
         self.mtp = nn.ModuleList(DSparkStage(args, s, numerics, mapping, comm, dtype) for s in range(args.n_draft))
         self._engram_lookup: torch.Tensor | None = None
+        self.comm = comm
+        self.cuda_graphs = None   # a decode step's pieces as CUDA graphs (serve/runtime/cuda_graphs.py)
 
     # -- Engram vocabulary ---------------------------------------------------------------------------------------
     def load_tokenizer(self, tokenizer_json: str | Path) -> None:
@@ -391,10 +420,13 @@ class DeepseekV41Model(nn.Module):
         return self._forward(chunks, last_only=True)
 
     def _forward(self, chunks: list[Chunk], last_only: bool) -> list[torch.Tensor]:
+        """The forward as `pieces`: piece k runs everything per token between layer k − 1's and layer k's
+        attention cores (`_piece`); each core (`csa2.Attention.core`, the requests' own caches) runs between two
+        pieces. Pieces read only their inputs and the weights, so a decode step can replay them as CUDA graphs
+        (`cuda_graphs`, set by the serving runtime: serve/runtime/cuda_graphs.py); otherwise they run in line."""
         a = self.args
         rag = Ragged.of(chunks)
         dev = chunks[0].ids.device
-        ids = rag.join([c.ids for c in chunks])                                    # [1, T]
         ctxs = [ChunkContext(c.state, c.state.pos, pos) for c, pos in zip(chunks, rag.split(rag.positions))]
         batch = DecodeBatch.of(rag, ctxs)
         # the batch's tokens hash their Engram n-grams together when none is an image token
@@ -404,16 +436,25 @@ class DeepseekV41Model(nn.Module):
         if any(c.image_mask is not None for c in chunks):
             image_mask = rag.join([torch.zeros_like(c.ids, dtype=torch.bool) if c.image_mask is None
                                    else c.image_mask for c in chunks])
-        X = self.embed(ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)            # [1, T, hc, D]
-        pre = one_hot_pre((1, rag.total), a.hc_mult, dev)
+        graphs = None if self.cuda_graphs is None or not last_only else self.cuda_graphs.pieces_for(rag, image_mask)
+        pad = (lambda t: t) if graphs is None else graphs.pad_rows
+        n = rag.total
+        # Engram's hashing reads only the ids and each request's look-back (advanced after the layers)
+        rows = {blk.layer: pad(rag.join(self._engram_rows(chunks, text_batch, blk.layer)))
+                for blk in self.layers if blk.engram is not None}
+        last = None if graphs is not None or not last_only else rag.last_rows(dev)   # graphs: every row is a last
+        common = {"positions": pad(rag.positions), "image_mask": image_mask, "last": last}
+        run = graphs.run if graphs is not None else (lambda k, fn, inputs: fn(inputs))
+        join = graphs is not None
+        out = run(0, lambda i: self._piece(0, i, join), {"ids": pad(rag.join([c.ids for c in chunks])),
+                                                        "rows": rows.get(0), **common})
         captures = {}
-        for block in self.layers:
-            if block.engram is not None:
-                rows = rag.join(self._engram_rows(chunks, text_batch, block.layer))
-                X = block.engram(X, rows, None if image_mask is None else ~image_mask)
-            if block.layer in a.dspark_target_layer_ids:
-                captures[block.layer] = wide(X).mean(-2)   # layer-entry streams after Engram, averaged
-            X, pre = block(X, pre, lambda x, blk=block: blk.attn(x, ctxs, rag, batch), image_mask)
+        for k, blk in enumerate(self.layers):
+            if out["capture"] is not None:
+                captures[blk.layer] = out["capture"][:, :n]
+            o = blk.attn.core(tuple(_first_rows(t, n) for t in out["attn"]), ctxs, rag, batch)
+            out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, join),
+                      {"site": out["site"], "o": pad(o), "rows": rows.get(k + 1), **common})
         capture = (rag.split(torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1)) if captures
                    else [None] * len(chunks))
         if a.engram_layer_ids:
@@ -421,11 +462,35 @@ class DeepseekV41Model(nn.Module):
         for c, cap in zip(chunks, capture):
             c.state.capture = cap
             c.state.pos += c.ids.shape[1]
-        if last_only:   # only the rows that are sampled from pay for the vocabulary head
-            last = rag.last_rows(dev)
-            X, pre = X[:, last], pre[:, last]
-        logits = self.head(self.norm(hc_collapse(X, pre)))
+        logits = out["logits"]
+        if graphs is not None:   # the graph's output buffer is rewritten by the next replay
+            logits = logits[:, :n].clone()
         return rag.split_rows(logits[0]) if last_only else rag.split(logits)
+
+    def _piece(self, k: int, inputs: dict, join: bool) -> dict:
+        """Piece k of a forward (`_forward`) over T rows: k = 0 embeds `ids`; 0 < k ≤ L finishes layer k − 1 (its
+        attention output `o` through `wo_a` / `wo_b`, then its FFN site, from the `site` its entry left); k < L
+        then enters layer k (Engram, the DSpark capture, the attention site's mHC collapse + norm, the attention's
+        per-token projections); k = L ends with the final norm and the vocabulary head (on the `last` rows, or
+        all). -> {"site", "attn", "capture"} or {"logits"}. `join`: join the mHC coefficient side stream here."""
+        a, pos, image_mask = self.args, inputs["positions"], inputs["image_mask"]
+        if k == 0:
+            X = self.embed(inputs["ids"]).unsqueeze(2).expand(-1, -1, a.hc_mult, -1)     # [1, T, hc, D]
+            pre = one_hot_pre(pos.shape, a.hc_mult, pos.device)
+        else:
+            blk = self.layers[k - 1]
+            X, pre = blk.close_attn(inputs["site"], blk.attn.finish(inputs["o"], pos), image_mask)
+        if k == len(self.layers):
+            last = inputs["last"]
+            if last is not None:   # only the rows that are sampled from pay for the vocabulary head
+                X, pre = X[:, last], pre[:, last]
+            return {"logits": self.head(self.norm(hc_collapse(X, pre)))}
+        blk = self.layers[k]
+        if blk.engram is not None:
+            X = blk.engram(X, inputs["rows"], None if image_mask is None else ~image_mask)
+        capture = wide(X).mean(-2) if blk.layer in a.dspark_target_layer_ids else None   # after Engram, averaged
+        x, site = blk.open_attn(X, pre, join)
+        return {"site": site, "attn": blk.attn.prepare(x, pos), "capture": capture}
 
     def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
         """Each chunk's Engram row ids [B_i, S_i, K]; the chunks `together` (single text tokens) in one hashing."""

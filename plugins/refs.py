@@ -7,6 +7,8 @@ RMSNorm in fp32 rounded to the activation dtype (BF16) before quantization, mHC 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -241,13 +243,18 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ROUTER_NORM_EPS = 1e-20   # V4.1: `+1e-20` on the routing-weight sum
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 code values, copied to `device` once (not a host-to-device copy per call: graph capturable)."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32).to(device)
+
+
 def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 [..., N, K/2] int8|uint8 (two e2m1 codes per byte, low nibble = even k) with e8m0 scales [..., N, K/32]
     (one per 1×32 along K) -> `dtype` [..., N, K]. Exact in fp32, and in bf16 for normal-range scales."""
     b = packed.view(torch.uint8)
     codes = torch.stack([b & 0xF, b >> 4], -1).reshape(*b.shape[:-1], b.shape[-1] * 2).long()
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=b.device)
-    vals = table[codes]
+    vals = _e2m1_table(b.device)[codes]
     s = scale_to_fp32(scale).repeat_interleave(QBLOCK, -1)
     assert s.shape == vals.shape, (tuple(scale.shape), tuple(vals.shape))
     return (vals * s).to(dtype)

@@ -18,6 +18,7 @@ acceptance (`Output.spec`); `stats()["spec_decode"]` holds the engine totals for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from dsflash.serve.api.metrics import ITERATION_BUCKETS, Histogram
 from dsflash.serve.runtime.block_manager import BlockManager, cache_layout, kv_cache_capacity
+from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig
 from dsflash.serve.runtime.model_runner import ModelRunner, SpecStep
 from dsflash.serve.runtime.sampling import SamplingParams, sample, token_logprobs
 from dsflash.serve.runtime.scheduler import QueueFullError, Scheduler
@@ -50,13 +52,15 @@ class LLMEngine:
     TP-rank simulation: its all-reduces are counted local no-ops, each calling `comm_wait(nbytes)` when given), so
     its outputs are not the model's; `self.comm` holds the counts (rank 0's on a real multi-rank engine).
     `batch_invariant`: run each request's segment in its own forward (runtime/model_runner.py), not all of a
-    step's segments in one."""
+    step's segments in one. `cuda_graph`: TRT-LLM's `cuda_graph_config` (runtime/cuda_graphs.py; None: off), decode
+    steps of V4.1 GPU engines replayed piece by piece."""
 
     def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
                  kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, max_seq_len: int | None = None, block_size: int = 64,
                  model=None, speculative=None, wrap_drafter=None, simulate_rank: int | None = None,
-                 comm_wait=None, batch_invariant: bool = False):
+                 comm_wait=None, batch_invariant: bool = False,
+                 cuda_graph: CudaGraphConfig | None = CudaGraphConfig()):
         if speculative is not None:
             from dsflash.build.engine import open_engine
             n = open_engine(engine_dir).world_size
@@ -80,8 +84,10 @@ class LLMEngine:
                                       speculative=speculative, wrap_drafter=wrap_drafter,
                                       batch_invariant=batch_invariant)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
+            self.cuda_graphs = self.runner.enable_cuda_graphs(cuda_graph)
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction,
-                   "batch_invariant": batch_invariant}
+                   "batch_invariant": batch_invariant,
+                   "cuda_graph": None if cuda_graph is None else dataclasses.asdict(cuda_graph)}
             capacity = self._control.agree_capacity(cfg, local) if self._control else local
         except Exception as e:
             if self.world > 1:

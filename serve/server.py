@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for requests in flight before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_speculative_args(p)
+    from dsflash.serve.runtime.cuda_graphs import add_cli_args
+    add_cli_args(p)
     return p
 
 
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         a.speculative_algorithm = built["speculative_algorithm"]
         a.speculative_num_draft_tokens = a.speculative_num_draft_tokens or built.get("speculative_num_draft_tokens") or None
     try:
+        from dsflash.serve.runtime.cuda_graphs import config_from_cli
+        config_from_cli(a)   # a bad --cuda-graph-* flag fails here, before any rank loads weights
         spec = speculative_config(a, eng.args)
         if spec is not None and eng.world_size != 1:
             raise ValueError(f"speculative decoding (--speculative-algorithm) runs on single-rank engines only; "
@@ -226,13 +230,15 @@ class Server:
         from dsflash.serve.api.kserve_http import TRTLLM_NAMES
         from dsflash.serve.api.security import DEFAULT_MAX_BODY_BYTES, Limits
         from dsflash.serve.llm_engine import AsyncLLMEngine, LLMEngine
+        from dsflash.serve.runtime.cuda_graphs import config_from_cli
         self.a, self.sock, self.api_key = a, http_sock, api_key
         fraction = a.kv_cache_free_gpu_memory_fraction
         if not 0 < fraction <= 1:
             raise ValueError(f"--kv-cache-free-gpu-memory-fraction must be in (0, 1], got {fraction}")
         core = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, kv_cache_free_gpu_memory_fraction=fraction,
                          max_queue=a.max_queue, max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
-                         max_seq_len=a.max_seq_len, speculative=speculative, batch_invariant=a.batch_invariant)
+                         max_seq_len=a.max_seq_len, speculative=speculative, batch_invariant=a.batch_invariant,
+                         cuda_graph=config_from_cli(a))
         if speculative is not None:
             sim = (f", SIMULATED acceptance length {speculative.simulate_acceptance_length}"
                    if speculative.simulate_acceptance_length is not None else "")

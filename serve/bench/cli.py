@@ -39,6 +39,7 @@ from dsflash.convert.atomic import write_text_atomic
 from dsflash.serve.bench.collectives import DEFAULT_SIZES, CollectiveCost, measure_all_reduce
 from dsflash.serve.bench.dataset import (DatasetError, dataset_metadata, load_dataset, token_norm_dist,
                                          token_unif_dist, warmup_requests, write_dataset)
+from dsflash.serve.runtime.cuda_graphs import add_cli_args as add_cuda_graph_args, config_from_cli
 from dsflash.serve.server import add_speculative_args, speculative_config
 
 DUMMY_ROOT = Path("out/bench")
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         sim.add_argument("--collective-cost", metavar="FILE",
                          help="add each all-reduce's measured time (a `dsflash bench collectives` file)")
         add_speculative_args(r)
+        add_cuda_graph_args(r)
 
     v = sub.add_parser("serving", help="benchmark a running OpenAI-compatible server (as benchmark_serving does)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
@@ -241,6 +243,7 @@ def benchmark(a: argparse.Namespace, argv: list[str]) -> int:
     streaming = a.command == "latency" or a.streaming or len(levels) > 1 or bool(a.plot)
     reqs = _requests(a, eng)            # a bad dataset fails here, before any weight is loaded
     spec = speculative_config(a, eng.args)
+    config_from_cli(a)
     if a.collective_cost and a.simulate_rank is None:
         raise ValueError("--collective-cost goes with --simulate-rank")
     if a.simulate_rank is not None:
@@ -297,7 +300,8 @@ def _run_rank0(a: argparse.Namespace, eng, reqs: list, levels: list[int], stream
         engine = LLMEngine(a.engine, kv_cache_bytes=a.kv_cache_bytes, max_batch_size=a.max_batch_size,
                            max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len, max_queue=1 << 20,
                            kv_cache_free_gpu_memory_fraction=a.kv_cache_free_gpu_mem_fraction, speculative=spec,
-                           simulate_rank=a.simulate_rank, comm_wait=wait, batch_invariant=a.batch_invariant)
+                           simulate_rank=a.simulate_rank, comm_wait=wait, batch_invariant=a.batch_invariant,
+                           cuda_graph=config_from_cli(a))
         reports, rows, records_out, any_failed = [], [], [], False
         for c in levels:
             warm_up(engine, reqs, a.warmup, c, a.eos_id)

@@ -78,12 +78,14 @@ def worker_loop(engine_dir: str) -> int:
     """Entry point of ranks > 0: load this rank's shard, then run rank 0's plans until shutdown."""
     from mpi4py import MPI
     from dsflash.serve.runtime.block_manager import kv_cache_capacity
+    from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig
     from dsflash.serve.runtime.model_runner import ModelRunner, run_segments
     rank = MPI.COMM_WORLD.Get_rank()
     try:
         rank, _, mpi, comm = connect(engine_dir)
         runner = ModelRunner(engine_dir, rank=rank, comm=comm)
         cfg = mpi.bcast(None, root=0)
+        runner.enable_cuda_graphs(CudaGraphConfig(**cfg["cuda_graph"]) if cfg["cuda_graph"] else None)
         mpi.allreduce(kv_cache_capacity(cfg["kv_cache_bytes"], cfg["free_fraction"], runner.device), op=MPI.MIN)
         states = {}
         while True:

@@ -143,6 +143,42 @@ def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
                 got[o.request_id] += o.new_token_ids
     for i in range(len(prompts)):
         assert got[f"r{i}"] == expected[i].tolist(), (i, got[f"r{i}"], expected[i].tolist())
+    graphs = served.runner.model.cuda_graphs   # on by default: the decode steps of all 4 requests were replayed
+    assert graphs.disabled is None and graphs.counts["replayed"] > 0, graphs.counts
+
+
+def test_decode_graphs_replay_the_eager_steps(engine):
+    """Decode steps whose pieces are real CUDA graphs (serve/runtime/cuda_graphs.py) give the eager steps' logits
+    (same kernels, same row counts) across warm-up, capture and replay: bit for bit at one request; at three within
+    1e-2 (the MoE adds its experts' outputs with fp32 atomics in arrival order, so two eager runs of several tokens
+    differ in the last bits, which later FP8 roundings can widen; a stale or misplaced input is off by O(1))."""
+    from dsflash.model_def.ragged import Chunk
+    from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
+    model, _ = load_engine_model(engine)
+
+    def decode(contexts, steps=5):
+        g = torch.Generator().manual_seed(1)
+        states = [model.new_state(1) for _ in contexts]
+        last = model.step_chunks([Chunk(torch.randint(3, 1000, (1, n), generator=g).cuda(), s)
+                                  for n, s in zip(contexts, states)])
+        out = []
+        for _ in range(steps):
+            last = model.step_chunks([Chunk(lg.argmax(-1, keepdim=True), s) for lg, s in zip(last, states)])
+            out.append(torch.cat(last))
+        return out
+
+    for contexts in ([37], [37, 3, 20]):
+        want = decode(contexts)
+        model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([len(contexts)]))
+        try:
+            got = decode(contexts)
+        finally:
+            graphs, model.cuda_graphs = model.cuda_graphs, None
+        assert graphs.disabled is None and graphs.counts["replayed"] == (len(model.layers) + 1) * 4
+        for a, b in zip(got, want):
+            if len(contexts) == 1:
+                assert torch.equal(a, b), float((a - b).abs().max())
+            assert float((a - b).norm() / b.norm()) <= 1e-2
 
 
 def test_missing_tuned_entries_are_logged_once(engine, caplog, v41_site_kinds):
