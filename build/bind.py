@@ -277,13 +277,15 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, dispatch.FusedSwiGLU):   # the kernel alone: its expert's GEMMs are sites of their own
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("swiglu", n, m, (a[0].detach().clone(), a[1].detach().clone(), a[2]))))
-        elif isinstance(mod, Block) and mod.hc_plugin is not None:
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, a, n=name: keep("mhc", n, m, (a[0].detach().clone(), a[1].detach().clone()))))
+        elif isinstance(mod, Block) and mod.hc_plugin is not None:   # the forward enters a block at open_attn
+            mod.open_attn = _capturing(mod, mod.open_attn, lambda a, n=name, m=mod: keep("mhc", n, m, a[:2]))
         elif type(mod) is v4.Block and mod.hc_plugin is not None:   # (X, ids); MTP blocks: the same kernels
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("mhc_v4", n, m, (a[0].detach().clone(), a[1]))))
-        if isinstance(mod, ATTENTIONS) and mod.wqkv_a_plugin is not None:   # the stacked wq_a|wkv GEMM
+        if isinstance(mod, Attention) and mod.wqkv_a_plugin is not None:   # the stacked wq_a|wkv GEMM (V4.1)
+            mod.prepare = _capturing(mod, mod.prepare, lambda a, n=name, m=mod: keep("gemm_qkv_a", n + ".wqkv_a", m,
+                                                                                      a[:1]))
+        elif isinstance(mod, ATTENTIONS) and mod.wqkv_a_plugin is not None:
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: keep("gemm_qkv_a", n + ".wqkv_a", m, (a[0].detach().clone(),))))
         if isinstance(mod, ATTENTIONS) and mod.fused_wo_a:
@@ -295,8 +297,9 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         for h in hooks:
             h.remove()
         for mod in model.modules():
-            if isinstance(mod, ATTENTIONS) and "_project" in mod.__dict__:
-                del mod._project
+            for wrapped in ("_project", "prepare", "open_attn"):
+                if wrapped in mod.__dict__:
+                    delattr(mod, wrapped)
     return [{"site": name, "kind": kind, "rel": _replay(kind, mod, payload)} for kind, name, mod, payload in captured]
 
 

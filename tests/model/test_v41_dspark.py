@@ -33,14 +33,16 @@ def prefilled(model):
 def test_capture_is_the_mean_layer_entry_stream(model):
     a = model.args
     seen = {}
-    hooks = [model.layers[t].register_forward_hook(
-        lambda mod, args, out, t=t: seen.__setitem__(t, args[0])) for t in a.dspark_target_layer_ids]
+    for t in a.dspark_target_layer_ids:   # a forward enters a block at `open_attn` (X after Engram, pre)
+        blk = model.layers[t]
+        blk.open_attn = lambda X, pre, join=False, blk=blk, t=t: (seen.setdefault(t, X),
+                                                                  type(blk).open_attn(blk, X, pre, join))[1]
     try:
         state = model.new_state(1)
         model.step(torch.randint(0, a.vocab_size, (1, 7)), state)
     finally:
-        for h in hooks:
-            h.remove()
+        for t in a.dspark_target_layer_ids:
+            del model.layers[t].open_attn
     assert state.capture.shape == (1, 7, len(a.dspark_target_layer_ids) * a.hidden_size)
     ref = torch.cat([seen[t].mean(-2) for t in a.dspark_target_layer_ids], -1)
     assert torch.allclose(state.capture, ref, atol=1e-12)

@@ -195,12 +195,21 @@ def test_lagged_pre_chain(model):
             rec.setdefault(name, []).append(args if what == "in" else out)
         return hook
 
+    def spy(blk, method, record):
+        """A forward enters a block at `open_attn` (X, pre) and leaves it at `close_attn` (site, the attention's
+        output) -> (X', pre'): record each call's (args, out)."""
+        def wrapped(*args):
+            out = getattr(type(blk), method)(blk, *args)
+            record(args, out)
+            return out
+        setattr(blk, method, wrapped)
+
     for i, blk in enumerate(m.layers):
-        handles += [blk.register_forward_hook(keep(f"block{i}")),
-                    blk.register_forward_hook(keep(f"block{i}.out", "out")),
-                    blk.attn_norm.register_forward_hook(keep(f"attn_norm{i}")),
-                    blk.ffn_norm.register_forward_hook(keep(f"ffn_norm{i}")),
-                    blk.attn.register_forward_hook(keep(f"attn{i}.out", "out"))]
+        spy(blk, "open_attn", lambda a, o, i=i: rec.setdefault(f"block{i}", []).append(a))
+        spy(blk, "close_attn", lambda a, o, i=i: (rec.setdefault(f"block{i}.out", []).append(o),
+                                                 rec.setdefault(f"attn{i}.out", []).append(a[1])))
+        handles += [blk.attn_norm.register_forward_hook(keep(f"attn_norm{i}")),
+                    blk.ffn_norm.register_forward_hook(keep(f"ffn_norm{i}"))]
     handles.append(m.norm.register_forward_hook(keep("norm")))
     ids = torch.randint(0, m.args.vocab_size, (1, 6))
     try:
@@ -208,6 +217,8 @@ def test_lagged_pre_chain(model):
     finally:
         for h in handles:
             h.remove()
+        for blk in m.layers:
+            del blk.open_attn, blk.close_attn
 
     X0, pre0 = rec["block0"][0][:2]
     assert torch.equal(pre0, torch.eye(n, dtype=pre0.dtype)[0].expand_as(pre0))         # first collapse one-hot
