@@ -280,14 +280,13 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         elif isinstance(mod, Block) and mod.hc_plugin is not None:   # the forward enters a block at open_attn
             mod.open_attn = _capturing(mod, mod.open_attn, lambda a, n=name, m=mod: keep("mhc", n, m, a[:2]))
         elif type(mod) is v4.Block and mod.hc_plugin is not None:   # (X, ids); MTP blocks: the same kernels
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, a, n=name: keep("mhc_v4", n, m, (a[0].detach().clone(), a[1]))))
-        if isinstance(mod, Attention) and mod.wqkv_a_plugin is not None:   # the stacked wq_a|wkv GEMM (V4.1)
+            entered = {}
+            mod.open_attn = _capturing(mod, mod.open_attn, lambda a, e=entered: e.__setitem__("X", a[0]))
+            mod.close_attn = _capturing(mod, mod.close_attn, lambda a, n=name, m=mod, e=entered:
+                                        keep("mhc_v4", n, m, (e["X"], a[2])))
+        if isinstance(mod, ATTENTIONS) and mod.wqkv_a_plugin is not None:   # the stacked wq_a|wkv GEMM
             mod.prepare = _capturing(mod, mod.prepare, lambda a, n=name, m=mod: keep("gemm_qkv_a", n + ".wqkv_a", m,
                                                                                       a[:1]))
-        elif isinstance(mod, ATTENTIONS) and mod.wqkv_a_plugin is not None:
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, a, n=name: keep("gemm_qkv_a", n + ".wqkv_a", m, (a[0].detach().clone(),))))
         if isinstance(mod, ATTENTIONS) and mod.fused_wo_a:
             mod._project = _capturing(mod, mod._project, lambda a, n=name, m=mod: keep("wo_a", n, m, a))
     try:
@@ -297,7 +296,7 @@ def site_parity(model, input_ids: torch.Tensor, max_per_kind: int = 1000) -> lis
         for h in hooks:
             h.remove()
         for mod in model.modules():
-            for wrapped in ("_project", "prepare", "open_attn"):
+            for wrapped in ("_project", "prepare", "open_attn", "close_attn"):
                 if wrapped in mod.__dict__:
                     delattr(mod, wrapped)
     return [{"site": name, "kind": kind, "rel": _replay(kind, mod, payload)} for kind, name, mod, payload in captured]

@@ -56,16 +56,23 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_code(x: torch.Tensor) -> torch.Tensor:
-    """4-bit e2m1 codes (bit 3 = sign) of x rounded to nearest-even, saturating at ±6. uint8."""
+    """4-bit e2m1 codes (bit 3 = sign) of x rounded to nearest-even, saturating at ±6. uint8.
+
+    The magnitude's code is the number of midpoints below it, where the midpoint between codes k and k + 1 counts
+    on a tie too when k + 1 is the even code (k odd): two bucketize calls, not a comparison per midpoint."""
     xf = x.float()
     a = xf.abs().clamp(max=FP4_MAX)
-    idx = torch.zeros(a.shape, dtype=torch.int32, device=a.device)
-    for k, b in enumerate(_E2M1_MIDPOINTS):
-        idx += (a > b).to(torch.int32)
-        if k % 2 == 1:  # a tie between codes k and k+1 goes to the even code k+1
-            idx += (a == b).to(torch.int32)
+    tie_down, tie_up = _e2m1_midpoints(a.device)
+    idx = torch.bucketize(a, tie_down, out_int32=True) + torch.bucketize(a, tie_up, out_int32=True, right=True)
     sign = (xf < 0) & (idx > 0)
     return (idx + sign.to(torch.int32) * 8).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_midpoints(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The midpoints whose ties round down (k even: to code k) and up (k odd: to code k + 1), on `device`."""
+    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32)
+    return mids[0::2].contiguous().to(device), mids[1::2].contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -108,6 +108,16 @@ class DecodeRows:
         return tuple(torch.cat(t) for t in zip(*(parts[i] for i in self.members)))
 
 
+def first_rows(t, n: int):
+    """The first n token rows of a [1, T, ...] tensor (a decode step's padded CUDA-graph outputs); None passes, a
+    tuple is taken member by member."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(first_rows(u, n) for u in t)
+    return t if t.shape[1] == n else t[:, :n]
+
+
 def all_reduce_each(comm, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sum each tensor over the TP ranks with one collective for all of them (the chunks' partial sums)."""
     if len(parts) == 1:

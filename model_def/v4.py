@@ -366,10 +366,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, states: list[dict], rag: Ragged, decode: DecodeRows | None = None
                 ) -> torch.Tensor:
         """x [1,T,D] (`rag` lays out the chunks and their start positions; states[i]: chunk i's layer state) ->
-        [1,T,D]. Every projection (queries, window rows, compressors, indexer queries, output) runs once over all T rows and
-        the indexer's TP all-reduce once for all chunks; the pooling, top-k and attention chunk by chunk, except for
-        the single-token chunks of `decode` (the decode steps), which attend as one batch (`_attend_batch`)."""
-        f, pos = rope_table(*self.rope, x.device), rag.positions                                  # pos [1,T]
+        [1,T,D]: `prepare`, `core`, `finish`."""
+        pos = rag.positions
+        return self.finish(self.core(self.prepare(x, pos), states, rag, decode), pos)
+
+    def prepare(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """The per-token part before the caches, once over all T rows of x [1,T,D] at positions [1,T]: (q [1,T,h,d],
+        window rows kv [1,T,d], the compressor's projections or None, the indexer's compressor projections and
+        queries or None). Reads only x, the positions and the weights (a decode step replays it as a CUDA graph)."""
+        f = rope_table(*self.rope, x.device)
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))   # both read x: one GEMM if bound
         qr, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))   # one launch if bound
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [1,T,h,d]
@@ -377,12 +382,29 @@ class Attention(nn.Module):
         kv = apply_rope(kvn, pos, f)  # [1,T,d]
         if self.numerics.deploy:
             kv = torch.cat([_fq_fp8(_bf16(kv[..., :self.nope]), KV_QUANT_BLOCK), kv[..., self.nope:]], -1)
-        none = [None] * len(states)
-        comp = none if self.compressor is None else list(zip(*map(rag.split, self.compressor.project(x))))
-        idx = none
+        comp = None if self.compressor is None else self.compressor.project(x)
+        idx = None
         if self.indexer is not None:
-            idx = list(zip(zip(*map(rag.split, self.indexer.compressor.project(x))),
-                           zip(*map(rag.split, self.indexer.queries(x, qr, pos, f)))))
+            idx = (self.indexer.compressor.project(x), self.indexer.queries(x, qr, pos, f))
+        return q, kv, comp, idx
+
+    def finish(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The per-token part after the caches: attention output o [1,T,h,d] -> [1,T,D] (`_project`)."""
+        return self._project(o, pos, rope_table(*self.rope, o.device))
+
+    def core(self, prepared: tuple, states: list[dict], rag: Ragged, decode: DecodeRows | None = None
+             ) -> torch.Tensor:
+        """What reads and writes the requests' caches, from `prepare`'s outputs -> attention output o [1,T,h,d]: the
+        pooling, the indexer's TP all-reduce (once for all chunks), top-k and attention chunk by chunk, except for
+        the single-token chunks of `decode` (the decode steps), which attend as one batch (`_attend_batch`)."""
+        q, kv, comp_p, idx_p = prepared
+        x_device = q.device
+        f, pos = rope_table(*self.rope, x_device), rag.positions                                  # pos [1,T]
+        none = [None] * len(states)
+        comp = none if comp_p is None else list(zip(*map(rag.split, comp_p)))
+        idx = none
+        if idx_p is not None:
+            idx = list(zip(zip(*map(rag.split, idx_p[0])), zip(*map(rag.split, idx_p[1]))))
         alone = [i for i in range(len(states)) if decode is None or i not in decode.index]
         qs, kvs, poss = rag.split(q), rag.split(kv), rag.split(pos)
         windows, entries, partials = {}, {}, []
@@ -412,7 +434,7 @@ class Attention(nn.Module):
                 if self.indexer is not None:
                     sel = self.indexer.select(next(scores), poss[i][0])
                 else:  # HCA: every complete group
-                    sel = (torch.arange(T, device=x.device) < ((poss[i][0] + 1) // self.ratio).unsqueeze(-1)
+                    sel = (torch.arange(T, device=x_device) < ((poss[i][0] + 1) // self.ratio).unsqueeze(-1)
                            ).expand(B, S, T)
                 keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, sel], -1)
@@ -422,7 +444,7 @@ class Attention(nn.Module):
                                    torch.cat([kvs[i] for i in decode.members]), next(scores, None))
             for k, i in enumerate(decode.members):
                 out[i] = o[k:k + 1]
-        return self._project(rag.join(out), pos, f)
+        return rag.join(out)
 
     def _attend_batch(self, batch: DecodeRows, states: list[dict], entries: list[torch.Tensor] | None,
                       q: torch.Tensor, kv: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -578,30 +600,46 @@ class Block(nn.Module):
 
     def forward(self, X: torch.Tensor, ids: torch.Tensor, attend) -> torch.Tensor:
         """X [B,S,n,D], ids [B,S] (hash routing) -> X'. `attend(x [B,S,D]) -> [B,S,D]` runs the attention."""
-        if self.hc_plugin is not None:
-            return self._forward_fused_hc(X, ids, attend)
-        pre, post, comb = self._hc(X, "attn")
-        X = hc_expand(X, attend(self.attn_norm(hc_collapse(X, pre))), post, comb)
-        pre, post, comb = self._hc(X, "ffn")
-        return hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids), post, comb)
+        x, site = self.open_attn(X)
+        return self.close_attn(site, attend(x), ids)
 
-    def _forward_fused_hc(self, X: torch.Tensor, ids: torch.Tensor, attend) -> torch.Tensor:
-        """The same block with the mHC plugin's kernels: per site the coefficients, the collapse + norm, and the
-        expand. V4's sites use their own `pre` (no lag), computed from the streams the previous expand wrote, so
-        neither the next collapse fuses into the expand nor the coefficients move off the critical path (V4.1's
-        `fused_overlap`)."""
-        op, hc = dispatch.ops(), self.hc_plugin
+    def open_attn(self, X: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """The attention site up to the attention: X [B,S,n,D] -> (x [B,S,D] its input, `site`: what `close_attn`
+        needs). With the mHC plugin's kernels: the coefficients, then the collapse + norm. V4's sites use their own
+        `pre` (no lag), computed from the streams the previous expand wrote, so neither the next collapse fuses into
+        the expand nor the coefficients move off the critical path (V4.1's `fused_overlap`)."""
+        if self.hc_plugin is None:
+            pre, post, comb = self._hc(X, "attn")
+            return self.attn_norm(hc_collapse(X, pre)), (X, post, comb)
         b, s, n, d = X.shape
         Xf = X.reshape(b * s, n, d).to(torch.bfloat16).contiguous()            # [T, n, D]
-        for site, norm, run in (("attn", self.attn_norm, attend),
-                                ("ffn", self.ffn_norm, lambda x: self.ffn(x, ids))):
-            pre, post, comb = op.hc_mix(Xf.view(b * s, n * d), getattr(self, f"hc_{site}_fn"),
-                                        getattr(hc, f"{site}_split"), getattr(self, f"hc_{site}_base"),
-                                        getattr(self, f"hc_{site}_scale"), self.iters, self.hc_eps, self.eps)
-            x = op.hc_pre(Xf, pre, norm.weight, self.eps)
-            fx = run(x.view(b, s, d).to(X.dtype)).reshape(b * s, d).to(torch.bfloat16).contiguous()
-            Xf = op.hc_post(Xf, fx, post, comb)
-        return Xf.view(b, s, n, d).to(X.dtype)
+        x, post, comb = self._fused_pre(Xf, "attn", self.attn_norm)
+        return x.view(b, s, d).to(X.dtype), (Xf, post, comb, X.dtype)
+
+    def close_attn(self, site: tuple, fx: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rest of the block: `open_attn`'s site, the attention output fx [B,S,D], ids [B,S] -> X'."""
+        if self.hc_plugin is None:
+            X, post, comb = site
+            X = hc_expand(X, fx, post, comb)
+            pre, post, comb = self._hc(X, "ffn")
+            return hc_expand(X, self.ffn(self.ffn_norm(hc_collapse(X, pre)), ids), post, comb)
+        op = dispatch.ops()
+        Xf, post, comb, dtype = site
+        t, n, d = Xf.shape
+        b, s = fx.shape[:2]
+        Xf = op.hc_post(Xf, fx.reshape(t, d).to(torch.bfloat16).contiguous(), post, comb)
+        x, post, comb = self._fused_pre(Xf, "ffn", self.ffn_norm)
+        fx = self.ffn(x.view(b, s, d).to(dtype), ids).reshape(t, d).to(torch.bfloat16).contiguous()
+        return op.hc_post(Xf, fx, post, comb).view(b, s, n, d).to(dtype)
+
+    def _fused_pre(self, Xf: torch.Tensor, site: str, norm: RMSNorm):
+        """A site's coefficients and collapse + norm with the mHC plugin: Xf [T, n, D] -> (x [T, D], post, comb)."""
+        op, hc = dispatch.ops(), self.hc_plugin
+        t, n, d = Xf.shape
+        pre, post, comb = op.hc_mix(Xf.view(t, n * d), getattr(self, f"hc_{site}_fn"), getattr(hc, f"{site}_split"),
+                                    getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters,
+                                    self.hc_eps, self.eps)
+        return op.hc_pre(Xf, pre, norm.weight, self.eps), post, comb
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
@@ -662,6 +700,8 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.zeros(1))
         self.mtp = nn.ModuleList([MTPBlock(args, args.n_layers + j, numerics, mapping, comm, dtype,
                                            (self.embed, self.head)) for j in range(args.n_draft)])
+        self.comm = comm
+        self.cuda_graphs = None   # a decode step's pieces as CUDA graphs (serve/runtime/cuda_graphs.py)
 
     def new_state(self, batch_size: int) -> V4State:
         layers, mtp = [{} for _ in self.layers], [{} for _ in self.mtp]
@@ -679,22 +719,57 @@ class DeepseekV4Model(nn.Module):
     def step_chunks(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One forward over several requests' chunks (each its own state and position, see ragged.py) -> the
         logits of each chunk's last position [B_i, V] fp32; every state advances by its chunk."""
-        rag, X = self._streams(chunks)
-        last = rag.last_rows(X.device)   # only the rows that are sampled from pay for the vocabulary head
-        return rag.split_rows(self.head_logits(X[:, last])[0])
+        return self._forward(chunks, head=True)
 
     def _streams(self, chunks: list[Chunk]) -> tuple[Ragged, torch.Tensor]:
         """-> (the chunks' layout, final streams [1,T,n,D])."""
+        return self._forward(chunks, head=False)
+
+    def _forward(self, chunks: list[Chunk], head: bool):
+        """The forward as pieces (as V4.1's, model_def/v41.py `_forward`): piece k runs everything per token between
+        layer k − 1's and layer k's attention cores (`_piece`), the cores (the requests' own caches) between them;
+        a decode step of a captured size replays the pieces as CUDA graphs (`cuda_graphs`, set by the serving
+        runtime). head: -> each chunk's last-position logits; else (the layout, the final streams [1,T,n,D])."""
         rag = Ragged.of(chunks)
-        ids = rag.join([c.ids for c in chunks])                                 # [1,T]
-        X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
         decode = DecodeRows.of(rag)   # the single-token chunks, attended as one batch (two or more)
-        for i, blk in enumerate(self.layers):
-            states = [c.state.layers[i] for c in chunks]
-            X = blk(X, ids, lambda x, blk=blk, states=states: blk.attn(x, states, rag, decode))
+        graphs = None if self.cuda_graphs is None or not head else self.cuda_graphs.pieces_for(rag, None)
+        pad = (lambda t: t) if graphs is None else graphs.pad_rows
+        n = rag.total
+        last = None if graphs is not None or not head else rag.last_rows(chunks[0].ids.device)
+        common = {"ids": pad(rag.join([c.ids for c in chunks])), "positions": pad(rag.positions), "last": last}
+        run = graphs.run if graphs is not None else (lambda k, fn, inputs: fn(inputs))
+        out = run(0, lambda i: self._piece(0, i, head), common)
+        for k, blk in enumerate(self.layers):
+            o = blk.attn.core(ragged.first_rows(out["attn"], n), [c.state.layers[k] for c in chunks], rag, decode)
+            out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, head), {"site": out["site"], "o": pad(o), **common})
         for c in chunks:
             c.state.pos += c.ids.shape[1]
-        return rag, X
+        if not head:
+            return rag, out["X"]
+        logits = out["logits"]
+        if graphs is not None:   # the graph's output buffer is rewritten by the next replay
+            logits = logits[:, :n].clone()
+        return rag.split_rows(logits[0])
+
+    def _piece(self, k: int, inputs: dict, head: bool) -> dict:
+        """Piece k over T rows: k = 0 embeds `ids`; 0 < k ≤ L finishes layer k − 1 (its attention output `o`
+        through `wo_a` / `wo_b`, then its FFN site, hash-routed by `ids`); k < L enters layer k (the attention site's
+        mHC collapse + norm, the attention's per-token projections); k = L ends with the head on the `last` rows
+        (all when None), or returns the streams. -> {"site", "attn"}, {"logits"} or {"X"}."""
+        ids, pos = inputs["ids"], inputs["positions"]
+        if k == 0:
+            X = self.embed(ids).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+        else:
+            blk = self.layers[k - 1]
+            X = blk.close_attn(inputs["site"], blk.attn.finish(inputs["o"], pos), ids)
+        if k == len(self.layers):
+            if not head:
+                return {"X": X}
+            if inputs["last"] is not None:   # only the rows that are sampled from pay for the vocabulary head
+                X = X[:, inputs["last"]]
+            return {"logits": self.head_logits(X)}
+        x, site = self.layers[k].open_attn(X)
+        return {"site": site, "attn": self.layers[k].attn.prepare(x, pos)}
 
     def head_logits(self, X: torch.Tensor) -> torch.Tensor:
         x = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args.hc_eps,

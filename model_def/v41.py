@@ -283,15 +283,6 @@ class Block(nn.Module):
                                      getattr(self, f"hc_{site}_scale"), self.iters, self.hc_eps, self.norm_eps)
 
 
-def _first_rows(t, n: int):
-    """The first n token rows of a [1, T, ...] tensor (None passes; a tuple is taken member by member)."""
-    if t is None:
-        return None
-    if isinstance(t, tuple):
-        return tuple(_first_rows(u, n) for u in t)
-    return t if t.shape[1] == n else t[:, :n]
-
-
 def one_hot_pre(shape, n: int, device) -> torch.Tensor:
     """The first collapse of a lagged chain takes stream 0 (all streams are equal then)."""
     pre = torch.zeros(*shape, n, dtype=torch.float32, device=device)
@@ -452,7 +443,7 @@ class DeepseekV41Model(nn.Module):
         for k, blk in enumerate(self.layers):
             if out["capture"] is not None:
                 captures[blk.layer] = out["capture"][:, :n]
-            o = blk.attn.core(tuple(_first_rows(t, n) for t in out["attn"]), ctxs, rag, batch)
+            o = blk.attn.core(ragged.first_rows(out["attn"], n), ctxs, rag, batch)
             out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, join),
                       {"site": out["site"], "o": pad(o), "rows": rows.get(k + 1), **common})
         capture = (rag.split(torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1)) if captures

@@ -53,7 +53,7 @@ class LLMEngine:
     its outputs are not the model's; `self.comm` holds the counts (rank 0's on a real multi-rank engine).
     `batch_invariant`: run each request's segment in its own forward (runtime/model_runner.py), not all of a
     step's segments in one. `cuda_graph`: TRT-LLM's `cuda_graph_config` (runtime/cuda_graphs.py; None: off), decode
-    steps of V4.1 GPU engines replayed piece by piece."""
+    steps of GPU engines replayed piece by piece."""
 
     def __init__(self, engine_dir: str, *, kv_cache_bytes: int | None = None, max_queue: int = 256,
                  kv_cache_free_gpu_memory_fraction: float = 0.9, max_batch_size: int | None = None,

@@ -7,9 +7,9 @@ tokens, and only the attention walks each request's own caches. A token's arithm
 share its GEMMs (the kernels and their summation order follow the row count), so its output can differ in the last
 bits with its neighbours. `batch_invariant=True` runs each segment in a forward of its own instead: a request's
 tokens are computed exactly as they would be alone, whatever else is scheduled (SGLang's deterministic inference;
-slower). GPU engines run through this same runner (their plugin kernels bound in the model); on V4.1 GPU engines a
-decode step of a captured batch size replays its per-token pieces as CUDA graphs (`enable_cuda_graphs`,
-runtime/cuda_graphs.py), the attention's cache work staying eager between them.
+slower). GPU engines run through this same runner (their plugin kernels bound in the model); a decode step of a
+captured batch size replays its per-token pieces as CUDA graphs (`enable_cuda_graphs`, runtime/cuda_graphs.py),
+the attention's cache work staying eager between them.
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same forwards in the same order (the TP all-reduces inside the model pair up).
@@ -58,8 +58,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
 
     def enable_cuda_graphs(self, config) -> bool:
-        """Decode steps as piecewise CUDA graphs (`CudaGraphConfig`, None: off). Only V4.1 models on a GPU without
-        speculative decoding have the pieces; others stay eager. Returns whether graphs are on."""
+        """Decode steps as piecewise CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay
+        eager (their verify forwards are not decode steps). Returns whether graphs are on."""
         from dsflash.serve.runtime.cuda_graphs import DecodeGraphs
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False

@@ -152,9 +152,21 @@ def test_decode_graphs_replay_the_eager_steps(engine):
     (same kernels, same row counts) across warm-up, capture and replay: bit for bit at one request; at three within
     1e-2 (the MoE adds its experts' outputs with fp32 atomics in arrival order, so two eager runs of several tokens
     differ in the last bits, which later FP8 roundings can widen; a stale or misplaced input is off by O(1))."""
+    _graphs_replay_the_eager_steps(load_engine_model(engine)[0])
+
+
+def test_v4_decode_graphs_replay_the_eager_steps(tmp_path):
+    """The same for a tiny V4 engine (its pieces: no lagged mHC, hash-routed MoE layers)."""
+    synthesize(get_preset("v4", "tiny"), tmp_path / "hf", seed=7)
+    convert(tmp_path / "hf", tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
+    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                       BuildConfig(max_num_tokens=64, tune_budget_s=0), progress=False)
+    _graphs_replay_the_eager_steps(load_engine_model(eng)[0])
+
+
+def _graphs_replay_the_eager_steps(model) -> None:
     from dsflash.model_def.ragged import Chunk
     from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
-    model, _ = load_engine_model(engine)
 
     def decode(contexts, steps=5):
         g = torch.Generator().manual_seed(1)

@@ -17,13 +17,13 @@ from dsflash.model_def.ragged import Chunk
 from dsflash.model_def.v41 import DeepseekV41Model
 from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs, StandInBackend
 
-CONTEXTS = [40, 3, 17]     # tiny preset: window 32; the requests sit at different positions and group phases
+CONTEXTS = [40, 3, 17]     # tiny presets: window 32; the requests sit at different positions and group phases
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    ckpt = synthesize(get_preset("v41", "tiny"), tmp_path_factory.mktemp("graphs") / "ckpt", seed=4)
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def model(request, tmp_path_factory):
+    ckpt = synthesize(get_preset(request.param, "tiny"), tmp_path_factory.mktemp("graphs") / "ckpt", seed=4)
     return load_reference(ckpt, numerics="deploy", dtype=torch.float64)
 
 

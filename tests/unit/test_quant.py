@@ -11,6 +11,23 @@ def test_e2m1_ties_round_to_even():
     assert torch.equal(Q.round_e2m1(x), exp)
 
 
+def test_e2m1_codes_count_the_midpoints_below():
+    """The codes equal the definition (a comparison per midpoint, ties to the even code) on every midpoint, its
+    float32 neighbours, the code values, ±0, saturation and random values."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    edges = torch.cat([mids, torch.nextafter(mids, torch.zeros(7)), torch.nextafter(mids, torch.full((7,), 9.0)),
+                       torch.tensor([0.0, -0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.5, 1e9, 1e-30])])
+    x = torch.cat([edges, -edges, torch.randn(4000) * 3])
+    a = x.abs().clamp(max=6.0)
+    idx = torch.zeros(a.shape, dtype=torch.int32)
+    for k, b in enumerate(mids.tolist()):
+        idx += (a > b).to(torch.int32) + ((a == b) & (k % 2 == 1)).to(torch.int32)
+    want = (idx + ((x < 0) & (idx > 0)).to(torch.int32) * 8).to(torch.uint8)
+    assert torch.equal(Q.e2m1_code(x), want)
+    assert torch.equal(Q.e2m1_code(x.double()), want) and torch.equal(Q.e2m1_code(x.bfloat16().double()),
+                                                                      Q.e2m1_code(x.bfloat16()))
+
+
 def test_pow2_scale_is_ceil_on_bit_pattern():
     amax = torch.tensor([448.0, 449.0, 224.0, 1.0, 0.0])
     s = Q.pow2_scale(amax, 448.0, 1e-4)
