@@ -83,8 +83,11 @@ class LLMEngine:
             self.runner = ModelRunner(engine_dir, rank, comm, model=model, control=self._control,
                                       speculative=speculative, wrap_drafter=wrap_drafter,
                                       batch_invariant=batch_invariant)
+            # one process captures its graphs before measuring the memory left for the caches; several ranks
+            # capture as the steps come (their warm-up steps would have to run in step)
+            top = _limit("max_batch_size", max_batch_size, self.runner.engine.meta["build_config"])
+            self.cuda_graphs = self.runner.enable_cuda_graphs(cuda_graph, top if self.world == 1 else None)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
-            self.cuda_graphs = self.runner.enable_cuda_graphs(cuda_graph)
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction,
                    "batch_invariant": batch_invariant,
                    "cuda_graph": None if cuda_graph is None else dataclasses.asdict(cuda_graph)}

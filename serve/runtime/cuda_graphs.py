@@ -10,7 +10,9 @@ a piece's ~100 kernels instead of ~100 host launches.
 
 Per (batch size, piece): the first step runs the piece eagerly (the warm-up: Triton compiles, tuned lookups, lazy
 initialisation; nothing of that may happen inside a capture), the second captures it into the shared pool and
-replays it, later steps copy the new inputs into the captured buffers and replay. An input that is the previous
+replays it, later steps copy the new inputs into the captured buffers and replay. A single process runs those
+steps at start-up for every size up to the engine's max_batch_size, largest first, with dummy requests
+(`warm_up`); several ranks capture each size on its second real step. An input that is the previous
 piece's captured output (the mHC streams and coefficients) is already in place and is not copied. With
 `enable_padding` a batch of n requests runs in the smallest size ≥ n; its extra rows are zeros whose outputs are
 dropped (the kernels then see the padded row count, so tokens may differ in the last bits from an eager step).
@@ -159,6 +161,24 @@ class DecodeGraphs:
         self._by_size: dict[int, _Size] = {}
         self.disabled: str | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+
+    def warm_up(self, model, max_batch_size: int | None = None) -> list[int]:
+        """Capture every size up to max_batch_size now (nano-vllm's and TRT-LLM's start-up capture), largest first:
+        the pool's blocks freed by a larger size's temporaries serve the smaller ones. Each size runs three
+        decode-shaped steps of dummy one-token requests (warm-up, capture, replay), whose states are dropped
+        after. A single process only: on several ranks every rank would have to run them in step (their pieces
+        hold the all-reduces), so multi-rank engines capture lazily. -> the sizes captured."""
+        from dsflash.model_def.ragged import Chunk
+        sizes = [s for s in self.sizes if max_batch_size is None or s <= max_batch_size]
+        ids = torch.zeros(1, 1, dtype=torch.long, device=model.head.weight.device)
+        with torch.no_grad():
+            for size in sorted(sizes, reverse=True):
+                states = [model.new_state(1) for _ in range(size)]
+                for _ in range(3):
+                    model.step_chunks([Chunk(ids, st) for st in states])
+                if self.disabled is not None:
+                    return []
+        return sizes
 
     def size_for(self, n: int) -> int | None:
         """The captured batch size a decode step of n requests runs in (None: eager)."""

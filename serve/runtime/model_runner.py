@@ -57,13 +57,21 @@ class ModelRunner:
         self.wrap_drafter = wrap_drafter   # (drafter, seq) -> drafter: tests substitute proposals
         self.batch_invariant = batch_invariant
 
-    def enable_cuda_graphs(self, config) -> bool:
+    def enable_cuda_graphs(self, config, warm_up_to: int | None = None) -> bool:
         """Decode steps as piecewise CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay
-        eager (their verify forwards are not decode steps). Returns whether graphs are on."""
+        eager (their verify forwards are not decode steps). `warm_up_to`: capture the sizes up to it now (a single
+        process); else each size is captured on its second step. Returns whether graphs are on."""
+        import logging
+        import time
         from dsflash.serve.runtime.cuda_graphs import DecodeGraphs
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False
-        self.model.cuda_graphs = DecodeGraphs(self.model, config)
+        self.model.cuda_graphs = graphs = DecodeGraphs(self.model, config)
+        if warm_up_to is not None:
+            t = time.perf_counter()
+            sizes = graphs.warm_up(self.model, warm_up_to)
+            logging.getLogger("dsflash.serve").info("CUDA graphs: %d decode batch sizes captured (up to %s) in %.1f s",
+                                                    len(sizes), max(sizes, default=0), time.perf_counter() - t)
         return True
 
     def run(self, batch: Batch, released: list[str]) -> dict[Sequence, torch.Tensor]:

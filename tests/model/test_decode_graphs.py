@@ -78,6 +78,24 @@ def test_replayed_decode_steps_equal_eager_steps(model):
             assert torch.equal(a, b)
 
 
+def test_start_up_capture_serves_the_first_steps(model):
+    """Sizes captured at start-up (largest first, dummy requests) are replayed from a batch's first decode step, and
+    give the eager logits; sizes above the cap stay uncaptured."""
+    want = _decode(model, CONTEXTS, 3, seed=3)
+    graphs = _with_graphs(model, CudaGraphConfig([1, 3, 8]))
+    try:
+        assert graphs.warm_up(model, max_batch_size=4) == [1, 3]
+        pieces = len(model.layers) + 1
+        assert graphs.counts == {"eager": 2 * pieces, "captured": 2 * pieces, "replayed": 2 * 2 * pieces}
+        got = _decode(model, CONTEXTS, 3, seed=3)
+    finally:
+        model.cuda_graphs = None
+    assert graphs.counts["eager"] == 2 * pieces and graphs.counts["replayed"] == 2 * 2 * pieces + 3 * pieces
+    for step_got, step_want in zip(got, want):
+        for a, b in zip(step_got, step_want):
+            assert torch.equal(a, b)
+
+
 def test_padded_batches_run_in_the_next_size_up(model):
     want = _decode(model, CONTEXTS, 4, seed=1)
     graphs = _with_graphs(model, CudaGraphConfig([4], enable_padding=True))
