@@ -431,13 +431,16 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sin
     """Softmax attention with a per-head sink logit in the denominator only; K = V = kv.
 
     q: [B,S,H,d]; kv: [B,T,d]; allowed: [B,S,T] bool; sink: [H] -> [B,S,H,d] (fp32 math, q.dtype out).
+    The two products are batched matmuls over [B, S·H, ·] views: the GEMMs einsum would call, without its ~20
+    permutes and views (this runs eagerly per layer in every decode step).
     """
-    logits = torch.einsum("bshd,btd->bsht", wide(q), wide(kv)) * scale
+    b, s, h, d = q.shape
+    qf, kf = wide(q), wide(kv)
+    logits = torch.bmm(qf.reshape(b, s * h, d), kf.transpose(1, 2)).view(b, s, h, -1) * scale
     logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
-    sink_l = wide(sink).view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
-    full = torch.cat([logits, sink_l], -1)
-    p = full.softmax(-1)[..., :-1]
-    return torch.einsum("bsht,btd->bshd", p, wide(kv)).to(q.dtype)
+    sink_l = wide(sink).view(1, 1, -1, 1).expand(b, s, h, 1)
+    p = torch.cat([logits, sink_l], -1).softmax(-1)[..., :-1]
+    return torch.bmm(p.reshape(b, s * h, -1), kf).view(b, s, h, d).to(q.dtype)
 
 
 def gather_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
