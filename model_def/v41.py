@@ -442,7 +442,7 @@ class DeepseekV41Model(nn.Module):
         captures = {}
         for k, blk in enumerate(self.layers):
             if out["capture"] is not None:
-                captures[blk.layer] = out["capture"][:, :n]
+                captures[blk.layer] = ragged.first_rows(out["capture"], n)
             o = blk.attn.core(ragged.first_rows(out["attn"], n), ctxs, rag, batch)
             out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, join),
                       {"site": out["site"], "o": pad(o), "rows": rows.get(k + 1), **common})

@@ -23,6 +23,7 @@ turns graphs off for the model, logged once; the step goes on eagerly.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -195,7 +196,7 @@ class DecodeGraphs:
         size = self.size_for(rag.total)
         if size is None:
             return None
-        return _Step(self, self._by_size.setdefault(size, _Size()), size, rag.total)
+        return _Step(self, self._by_size.setdefault(size, _Size()), size)
 
     def _disable(self, k: int, size: int, err: Exception) -> None:
         self.disabled = f"piece {k} at batch size {size}: {type(err).__name__}: {err}"
@@ -205,8 +206,8 @@ class DecodeGraphs:
 class _Step:
     """One forward's piece runner: `pad_rows` its [1, n, ...] inputs to the size's rows, `run` each piece."""
 
-    def __init__(self, owner: DecodeGraphs, state: _Size, size: int, n: int):
-        self.owner, self.state, self.size, self.n = owner, state, size, n
+    def __init__(self, owner: DecodeGraphs, state: _Size, size: int):
+        self.owner, self.state, self.size = owner, state, size
 
     def pad_rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or t.shape[1] == self.size:
@@ -240,10 +241,8 @@ class _Step:
                 elif new != kept:
                     raise RuntimeError(f"CUDA graph piece {k} (batch size {self.size}): input {kept!r} became "
                                        f"{new!r}")
-        kept = [(c, c.calls, dict(c.by_size)) for c in owner.counters]
-        owner.backend.replay(piece.graph)
-        for counter, calls, by_size in kept:   # a graph's replay counts nothing (the stand-in's reruns Python)
-            counter.calls, counter.by_size = calls, by_size
+        with _counted_apart(owner.counters):   # a graph's replay counts nothing (the stand-in's reruns Python)
+            owner.backend.replay(piece.graph)
         for counter, sizes in piece.comm_calls:
             for nbytes in sizes:
                 counter.add(nbytes)
@@ -255,19 +254,27 @@ class _Step:
         leaves, spec = tree_flatten(inputs)
         kept = [x if not isinstance(x, torch.Tensor) or st.outputs.get(id(x)) is x else x.clone() for x in leaves]
         captured = tree_unflatten(kept, spec)
-        before = [(c, c.calls, dict(c.by_size)) for c in self.owner.counters]
-        graph, out = self.owner.backend.capture(lambda: fn(captured))
-        calls = []
-        for counter, n0, by0 in before:
-            made = [size for size, n in counter.by_size.items() for _ in range(n - by0.get(size, 0))]
-            assert len(made) == counter.calls - n0
-            # the capture counted them once; the replay that follows counts them as every replay does
-            counter.calls, counter.by_size = n0, by0
-            calls.append((counter, made))
+        # the capture counts its collectives once; the replay that follows counts them as every replay does
+        with _counted_apart(self.owner.counters) as calls:
+            graph, out = self.owner.backend.capture(lambda: fn(captured))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 st.outputs[id(t)] = t
         return _Piece(graph, kept, spec, out, calls)
+
+
+@contextmanager
+def _counted_apart(counters: list):
+    """Collectives counted inside the block are taken back out of `counters`; yields a list that then holds, per
+    counter, (counter, the message sizes the block counted)."""
+    before = [(c, c.calls, dict(c.by_size)) for c in counters]
+    made: list = []
+    yield made
+    for counter, calls, by_size in before:
+        sizes = [size for size, n in counter.by_size.items() for _ in range(n - by_size.get(size, 0))]
+        assert len(sizes) == counter.calls - calls
+        counter.calls, counter.by_size = calls, by_size
+        made.append((counter, sizes))
 
 
 def _comm_counters(model) -> list:

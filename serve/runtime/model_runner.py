@@ -22,15 +22,20 @@ rollback iteration that returns several tokens (`SpecStep`).
 """
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass
 
+import torch
+
 from dsflash.model_def.ragged import Chunk
+from dsflash.serve.runtime.cuda_graphs import DecodeGraphs
 from dsflash.serve.runtime.sampling import SamplingParams, mask_top_k_top_p
 from dsflash.serve.runtime.scheduler import Batch, Segment
 from dsflash.serve.runtime.sequence import Sequence
+
+log = logging.getLogger("dsflash.serve")
 
 
 @dataclass
@@ -61,17 +66,14 @@ class ModelRunner:
         """Decode steps as piecewise CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay
         eager (their verify forwards are not decode steps). `warm_up_to`: capture the sizes up to it now (a single
         process); else each size is captured on its second step. Returns whether graphs are on."""
-        import logging
-        import time
-        from dsflash.serve.runtime.cuda_graphs import DecodeGraphs
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False
         self.model.cuda_graphs = graphs = DecodeGraphs(self.model, config)
         if warm_up_to is not None:
             t = time.perf_counter()
             sizes = graphs.warm_up(self.model, warm_up_to)
-            logging.getLogger("dsflash.serve").info("CUDA graphs: %d decode batch sizes captured (up to %s) in %.1f s",
-                                                    len(sizes), max(sizes, default=0), time.perf_counter() - t)
+            log.info("CUDA graphs: %d decode batch sizes captured (up to %s) in %.1f s", len(sizes),
+                     max(sizes, default=0), time.perf_counter() - t)
         return True
 
     def run(self, batch: Batch, released: list[str]) -> dict[Sequence, torch.Tensor]:
