@@ -9,6 +9,8 @@ token: "fused" runs them as one forward (what `dsflash serve` does), "per reques
 --kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time.
 --host-profile (any device) reports where a fused step's host time goes: the torch ops it calls (count and self
 CPU µs per step) and the Python functions that take the most time of their own (cProfile).
+--decode-slots (V4.1) also times the fused steps with the caches in decode slots, eager and as one graph per step
+(model_def/decode_slots.py), and compares their logits with the list caches'.
 --cuda-graph (V4.1 engines) also times the fused steps with their pieces replayed as graphs
 (serve/runtime/cuda_graphs.py; real CUDA graphs on a GPU, the stand-in on CPU) and checks that the graph steps give
 the eager steps' logits.
@@ -155,6 +157,45 @@ def graph_parity(model, n: int, context: int, steps: int) -> dict:
             "graph_argmax_equal": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(graph, eager))}
 
 
+def backend_for(model):
+    """Real CUDA graphs on a GPU, the stand-in backend on the CPU."""
+    from dsflash.serve.runtime.cuda_graphs import StandInBackend
+    return None if torch.device(model.head.weight.device).type == "cuda" else StandInBackend()
+
+
+def slot_rows(model, n: int, a, backend) -> dict:
+    """The fused steps with the requests' caches in decode slots (model_def/decode_slots.py), eager and as one CUDA
+    graph per step, and how the graph steps' logits compare with the list caches' eager steps."""
+    from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
+    lists = _steps_logits(model, n, a.context, 4)
+    model.enable_decode_slots(n, a.slot_max_seq_len or a.context + 4 * a.steps + 16)
+    try:
+        row = {"slot_ms": round(time_steps(model, n, a.context, a.steps, True), 2)}
+        eager = _steps_logits(model, n, a.context, 4)
+        model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
+        row["slot_graph_ms"] = round(time_steps(model, n, a.context, a.steps, True), 2)
+        got = _steps_logits(model, n, a.context, 4)
+
+        def rels(xs, ys):   # per step ‖Δ‖/‖ref‖
+            return [round(float((x - y).norm() / y.norm()), 6) for x, y in zip(xs, ys)]
+        row |= {"slot_graph_counts": model.cuda_graphs.counts, "slot_graph_disabled": model.cuda_graphs.disabled,
+                "slot_eager_vs_lists_rel_per_step": rels(eager, lists),
+                "slot_graph_vs_slot_eager_rel_per_step": rels(got, eager),
+                "slot_graph_vs_lists_rel": max(rels(got, lists)),
+                "slot_graph_vs_lists_argmax_equal": all(torch.equal(x.argmax(-1), y.argmax(-1))
+                                                        for x, y in zip(got, lists))}
+    finally:
+        model.cuda_graphs = model.decode_slots = None
+    return row
+
+
+def _steps_logits(model, n: int, context: int, steps: int) -> list[torch.Tensor]:
+    states, next_ids = _decoding(model, n, context, seed=300 + n)
+    ids = next_ids(steps)
+    return [torch.cat(model.step_chunks([Chunk(ids[i * n + j], s) for j, s in enumerate(states)]))
+            for i in range(steps)]
+
+
 class _Without:
     """Session 37's host-side savings switched off in this process, for an A/B in one run (`--without-host-fixes`):
     config lookups re-derived on every call, plugin ops through the torch.ops dispatcher, window KV rows
@@ -203,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the fused steps with session 37's host-side savings switched off (same process)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the fused steps as piecewise graphs (V4.1), and check their logits")
+    p.add_argument("--decode-slots", action="store_true",
+                   help="also time the fused steps with the caches in decode slots (V4.1), eager and as one graph "
+                        "per step, and compare their logits with the list caches'")
+    p.add_argument("--slot-max-seq-len", type=int, default=0,
+                   help="the decode slots' max_seq_len (their fixed entry rows, which every slot step reads; default: "
+                        "just what the timed steps reach)")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
@@ -229,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "graph_disabled": model.cuda_graphs.disabled}
             finally:
                 model.cuda_graphs = None
+        if a.decode_slots:
+            rows[-1] |= slot_rows(model, n, a, backend_for(model))
         if not a.fused_only:
             alone = time_steps(model, n, a.context, a.steps, fused=False)
             rows[-1] |= {"per_request_ms": round(alone, 2), "speedup": round(alone / fused, 2)}
@@ -244,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("top_torch_ops", "top_python_own_us", "top_ours_cumulative_us"):
             for r in rows[-1].get(key, [])[:25]:
                 print(f"  {key}: {r}", flush=True)
-    print("| requests | fused ms/step | CUDA graphs ms/step | without host fixes | per-request ms/step | speedup | "
-          "GPU kernel ms/step | kernels/step |\n|---|---|---|---|---|---|---|---|")
+    print("| requests | fused ms/step | CUDA graphs ms/step | slots ms/step | slots + one graph ms/step | "
+          "without host fixes | per-request ms/step | speedup | GPU kernel ms/step | kernels/step |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('graph_ms', '-')} | "
+        print(f"| {r['requests']} | {r['fused_ms']} | {r.get('graph_ms', '-')} | {r.get('slot_ms', '-')} | "
+              f"{r.get('slot_graph_ms', '-')} | "
               f"{r.get('fused_ms_without_host_fixes', '-')} | "
               f"{r.get('per_request_ms', '-')} | {r.get('speedup', '-')} | {r.get('kernel_ms', '-')} | "
               f"{r.get('kernels', '-')} |")

@@ -11,6 +11,7 @@ the layers up to the next index source reuse it. Semantics follow transformers' 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,8 @@ def select_candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, topk_blo
     newest = torch.div(counts.long() - 1, block_size, rounding_mode="floor")    # −1 (no pin) when nothing visible
     blocks = blocks.masked_fill(torch.arange(nb, device=scores.device) == newest.unsqueeze(-1), float("inf"))
     keep = indices_to_mask(topk_indices(blocks, topk_blocks), nb)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :t]
+    # each block's flag over its entries (expand + flatten: `repeat_interleave` may sync with the host on a GPU)
+    return keep.unsqueeze(-1).expand(*keep.shape, block_size).flatten(-2)[..., :t]
 
 
 def layer_inv_freq(args, layer: int, device: torch.device) -> torch.Tensor:
@@ -128,11 +130,20 @@ class DecodeBatch(DecodeRows):
     """The decode rows of a V4.1 forward (`ragged.DecodeRows`) with their contexts, the selections of the index
     sources ([N,1,k] top-k; "candidates": the block mask) and each KV source's batched caches."""
 
-    def __init__(self, rag: Ragged, members: list[int], ctxs: list):
+    def __init__(self, rag: Ragged, members: list[int], ctxs: list, slots=None):
         super().__init__(rag, members)
         self.ctxs = [ctxs[i] for i in members]
         self.selections: dict = {}
         self._sources: dict[int, BatchedSource] = {}
+        # with decode slots (decode_slots.DecodeSlots) that hold every member: their caches live there, and the
+        # layers run `Attention.core_slots` on the members' rows (`rows`, or all rows when the step only decodes)
+        self.slots = self.slot_ids = self.rows = None
+        if slots is not None and all(slots.fits(c.state) for c in self.ctxs) \
+                and len(members) <= slots.free + sum(c.state.slot is not None for c in self.ctxs):
+            self.slots, self.slot_ids = slots, slots.slot_tensor([c.state for c in self.ctxs])
+            if len(members) < len(rag.shapes):
+                offsets = [0, *itertools.accumulate(rag.sizes)]
+                self.rows = self.ints([offsets[i] for i in members])
 
     def compressed(self, source: int, refresh: bool) -> BatchedSource:
         """The batched caches of `source` (rebuilt when `refresh`: its layer has just appended to them)."""
@@ -140,6 +151,20 @@ class DecodeBatch(DecodeRows):
             caches = [c.state.sources[source] for c in self.ctxs]
             self._sources[source] = BatchedSource(caches, self.ints([c.count for c in caches]))
         return self._sources[source]
+
+
+def member_rows(prepared: tuple) -> tuple:
+    """`Attention.prepare`'s outputs [1, N, ...] as N single-token rows [N, 1, ...] (views)."""
+    return _tree(lambda t: t.transpose(0, 1), prepared)
+
+
+def _tree(fn, x):
+    """fn over the tensors of a nested tuple (None passes): `prepare`'s outputs."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(_tree(fn, t) for t in x)
+    return fn(x)
 
 
 # -- modules -------------------------------------------------------------------------------------------------------
@@ -328,17 +353,24 @@ class Attention(nn.Module):
         iq = none if iq is None else list(zip(*map(rag.split, iq)))
         kvs, qs = rag.split(kv), rag.split(q)
         alone = [i for i in range(len(ctxs)) if batch is None or i not in batch.index]
+        in_slots = batch is not None and batch.slots is not None
         if self.ratio and comp[0] is not None:   # a KV source: append the groups each chunk completes
             for i in alone:
                 self._compress(comp[i], ctxs[i].state.sources[self.kv_source], inv, kvs[i].shape[0], self.act_dtype)
-            if batch is not None:
+            if batch is not None and not in_slots:
                 self._compress_batch(batch, [comp[i] for i in batch.members], inv, self.act_dtype)
         windows, partials = {}, []
         for i in alone:
             windows[i] = self._window_keys(ctxs[i], kvs[i])
             if self.ratio and iq[i] is not None:
                 partials.append(self.indexer.partial_scores(*iq[i], ctxs[i].state.sources[self.kv_source].index_k))
-        if batch is not None and self.ratio and iq[0] is not None:
+        if in_slots:
+            members = member_rows(prepared if batch.rows is None
+                                  else _tree(lambda t: t.index_select(1, batch.rows), prepared))
+            part = self.slot_scores(members, batch.slot_ids, batch.positions, batch.slots)
+            if part is not None:
+                partials.append(part)
+        elif batch is not None and self.ratio and iq[0] is not None:
             cached = batch.compressed(self.kv_source, self.layer == self.kv_source)
             q_b, w_b = (torch.cat([iq[i][k] for i in batch.members]) for k in (0, 1))
             partials.append(self.indexer.partial_scores(q_b, w_b, cached.index_k))
@@ -354,12 +386,81 @@ class Attention(nn.Module):
                 keys = torch.cat([keys, cache.kv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, indices_to_mask(sel, cache.count)], -1)
             out[i] = sink_attention(qs[i], keys, allowed, self.attn_sink, self.head_dim ** -0.5)
-        if batch is not None:
+        if in_slots:
+            o = self.slot_attend(members, batch.slot_ids, batch.positions, batch.slots, next(scores, None),
+                                 batch.selections)
+        elif batch is not None:
             o = self._attend_batch(batch, torch.cat([qs[i] for i in batch.members]),
                                    torch.cat([kvs[i] for i in batch.members]), next(scores, None))
+        if batch is not None:
             for k, i in enumerate(batch.members):
                 out[i] = o[k:k + 1]
         return rag.join(out)
+
+    # -- decode steps in fixed slots (decode_slots.py): fixed shapes, no host sync, so a CUDA graph captures them --
+    def core_slots(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots,
+                   selections: dict) -> torch.Tensor:
+        """`core` for N single-token requests whose caches sit in `slots`: `prepare`'s outputs as [N, 1, ...]
+        (`members`), their slots [N] and positions [N, 1] -> o [N, 1, h, d]; the index source's top-k goes into
+        `selections` for the layers after it."""
+        part = self.slot_scores(members, slot_ids, pos, slots)
+        scores = None if part is None else self.indexer.comm.all_reduce(part)
+        return self.slot_attend(members, slot_ids, pos, slots, scores, selections)
+
+    def slot_scores(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots) -> torch.Tensor | None:
+        """The part before the indexer's all-reduce: the window row written into each slot's ring, a KV source's
+        new entry (a ratio-2 group's, computed every step from the open group; it becomes visible once the group
+        completes, and is rewritten until then), and an index source's partial scores over every entry row
+        [N, 1, E] (rows a query may not read are masked in `_select`)."""
+        q, kv, comp, iq = members
+        ring = slots.window[self.layer]
+        ring[slot_ids, pos[:, 0] % self.window] = kv[:, 0].to(ring.dtype)
+        if not self.ratio:
+            return None
+        src = slots.sources[self.kv_source]
+        if comp is not None:
+            self._compress_slots(comp, src, slot_ids, pos[:, 0])
+        if self.indexer is None:
+            return None
+        q_i, w_i = iq
+        return self.indexer.partial_scores(q_i, w_i, src.index_k[slot_ids])
+
+    def slot_attend(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots,
+                    scores: torch.Tensor | None, selections: dict) -> torch.Tensor:
+        """The part after the indexer's all-reduce: keys = the window ring in position order (oldest first, rows
+        before position 0 masked) and, on compressing layers, the top-k entries of the slot -> o [N, 1, h, d]."""
+        q = members[0]
+        w = self.window
+        kpos = pos - (w - 1) + torch.arange(w, device=pos.device)                      # [N, W]
+        keys = slots.window[self.layer][slot_ids.unsqueeze(1), kpos % w].to(members[1].dtype)   # [N, W, d]
+        allowed = (kpos >= 0).unsqueeze(1)                                              # [N, 1, W]
+        if self.ratio:
+            src = slots.sources[self.kv_source]
+            if self.indexer is not None:
+                selections[self.layer] = self._select(scores, pos, selections)
+            sel = selections[self.index_source]                                         # [N, 1, k], −1 = empty
+            rows = torch.where(sel >= 0, sel, src.entries)[:, 0]                         # row E is zero
+            keys = torch.cat([keys, src.kv[slot_ids.unsqueeze(1), rows].to(keys.dtype)], 1)
+            allowed = torch.cat([allowed, sel >= 0], -1)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+
+    def _compress_slots(self, comp: tuple, src, slot_ids: torch.Tensor, pos: torch.Tensor) -> None:
+        """`_compress_batch` in slots: pos [N]; the entry of the group holding pos is (re)computed and written."""
+        kv_p, gate_p = comp                                                             # [N, 1, d] each
+        r = self.ratio
+        if gate_p is None:   # ratio 1: every token is its own entry (already normed by `project`)
+            latent = kv_p
+        else:
+            src.buf_kv[slot_ids, pos % r] = kv_p[:, 0]
+            src.buf_gate[slot_ids, pos % r] = gate_p[:, 0]
+            latent = self.compressor.norm(pool_groups(src.buf_kv[slot_ids], src.buf_gate[slot_ids], r)
+                                          .to(self.act_dtype))                          # [N, 1, d]
+        entry = pos // r
+        epos = (entry * r).unsqueeze(1)                                                 # [N, 1]
+        inv = layer_inv_freq(self.args, self.layer, latent.device)
+        src.index_k[slot_ids, entry] = self.indexer.keys(latent, epos, inv)[:, 0].to(src.index_k.dtype)
+        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        src.kv[slot_ids, entry] = rot[:, 0].to(src.kv.dtype)
 
     def _attend_batch(self, batch: "DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
                       scores: torch.Tensor | None) -> torch.Tensor:

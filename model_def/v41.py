@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def import dispatch, dspark, engram, ragged
-from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
+from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache, member_rows
+from dsflash.model_def.decode_slots import DecodeSlots
 from dsflash.model_def.layers import (Expert, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, VocabParallelHead, wide, wide_weight)
 from dsflash.model_def.names import TensorEntry
@@ -296,21 +297,49 @@ class V41State:
     (compressed entries, index keys, open ratio-2 group), Engram look-back, last step's DSpark captures."""
 
     def __init__(self, args, batch: int, dtype: torch.dtype, device):
-        self.pos = 0
-        self.window = [torch.zeros(batch, 0, args.head_dim, dtype=dtype, device=device)
-                       for _ in range(args.n_layers)]
-        self.sources = {s: SourceCache.empty(batch, args.head_dim, args.index_head_dim, dtype, device)
-                        for s in args.kv_source_layer_ids}
+        self.pos, self.batch = 0, batch
+        self._window = [torch.zeros(batch, 0, args.head_dim, dtype=dtype, device=device)
+                        for _ in range(args.n_layers)]
+        self._sources = {s: SourceCache.empty(batch, args.head_dim, args.index_head_dim, dtype, device)
+                         for s in args.kv_source_layer_ids}
+        self.slots, self.slot = None, None   # decode_slots.DecodeSlots holding the caches while decoding, its slot
         self.engram_history = (engram.engram_new_history(batch, args, device) if args.engram_layer_ids else None)
         self.capture: torch.Tensor | None = None   # [B, S_last, n_capture * D]
 
     _FIELDS = ("pos", "window", "sources", "engram_history", "capture")
+
+    # The caches as lists, for every path but a slot decode step: a state whose caches sit in a decode slot
+    # (model_def/decode_slots.py) gets them back first, and gives the slot up.
+    @property
+    def window(self) -> list[torch.Tensor]:
+        self._to_lists()
+        return self._window
+
+    @window.setter
+    def window(self, value: list[torch.Tensor]) -> None:
+        self._to_lists()
+        self._window = value
+
+    @property
+    def sources(self) -> dict[int, SourceCache]:
+        self._to_lists()
+        return self._sources
+
+    @sources.setter
+    def sources(self, value: dict[int, SourceCache]) -> None:
+        self._to_lists()
+        self._sources = value
+
+    def _to_lists(self) -> None:
+        if self.slot is not None:
+            self.slots.unpack(self)
 
     def snapshot(self) -> dict:
         """An independent copy of the state (restore() it any number of times)."""
         return {k: _clone(getattr(self, k)) for k in self._FIELDS}
 
     def restore(self, snap: dict) -> None:
+        self._to_lists()   # (before `pos` changes: a slot's caches are read back at the current position)
         for k in self._FIELDS:
             setattr(self, k, _clone(snap[k]))
 
@@ -369,6 +398,7 @@ class DeepseekV41Model(nn.Module):
         self._engram_lookup: torch.Tensor | None = None
         self.comm = comm
         self.cuda_graphs = None   # a decode step's pieces as CUDA graphs (serve/runtime/cuda_graphs.py)
+        self.decode_slots: DecodeSlots | None = None   # fixed decode caches (`enable_decode_slots`)
 
     # -- Engram vocabulary ---------------------------------------------------------------------------------------
     def load_tokenizer(self, tokenizer_json: str | Path) -> None:
@@ -419,7 +449,8 @@ class DeepseekV41Model(nn.Module):
         rag = Ragged.of(chunks)
         dev = chunks[0].ids.device
         ctxs = [ChunkContext(c.state, c.state.pos, pos) for c, pos in zip(chunks, rag.split(rag.positions))]
-        batch = DecodeBatch.of(rag, ctxs)
+        slots = self.decode_slots
+        batch = DecodeBatch.of(rag, ctxs, slots, min_size=2 if slots is None else 1)
         # the batch's tokens hash their Engram n-grams together when none is an image token
         text_batch = [] if batch is None or any(chunks[i].image_mask is not None for i in batch.members) \
             else batch.members
@@ -437,15 +468,23 @@ class DeepseekV41Model(nn.Module):
         common = {"positions": pad(rag.positions), "image_mask": image_mask, "last": last}
         run = graphs.run if graphs is not None else (lambda k, fn, inputs: fn(inputs))
         join = graphs is not None
-        out = run(0, lambda i: self._piece(0, i, join), {"ids": pad(rag.join([c.ids for c in chunks])),
-                                                        "rows": rows.get(0), **common})
-        captures = {}
-        for k, blk in enumerate(self.layers):
-            if out["capture"] is not None:
-                captures[blk.layer] = ragged.first_rows(out["capture"], n)
-            o = blk.attn.core(ragged.first_rows(out["attn"], n), ctxs, rag, batch)
-            out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, join),
-                      {"site": out["site"], "o": pad(o), "rows": rows.get(k + 1), **common})
+        ids = pad(rag.join([c.ids for c in chunks]))
+        if batch is not None and batch.slots is not None and batch.rows is None and last_only:
+            # every chunk decodes in a slot: the whole forward is one piece, attention cores included
+            slot_ids = batch.slot_ids if graphs is None else torch.cat(
+                [batch.slot_ids, batch.slot_ids.new_full((graphs.size - n,), batch.slots.scratch)])
+            out = run("slots", lambda i: self._slot_forward(i, join),
+                      {"ids": ids, "rows": rows, "slot_ids": slot_ids, **common})
+            captures = {t: ragged.first_rows(c, n) for t, c in out["captures"].items()}
+        else:
+            out = run(0, lambda i: self._piece(0, i, join), {"ids": ids, "rows": rows.get(0), **common})
+            captures = {}
+            for k, blk in enumerate(self.layers):
+                if out["capture"] is not None:
+                    captures[blk.layer] = ragged.first_rows(out["capture"], n)
+                o = blk.attn.core(ragged.first_rows(out["attn"], n), ctxs, rag, batch)
+                out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, join),
+                          {"site": out["site"], "o": pad(o), "rows": rows.get(k + 1), **common})
         capture = (rag.split(torch.cat([captures[t] for t in a.dspark_target_layer_ids], -1)) if captures
                    else [None] * len(chunks))
         if a.engram_layer_ids:
@@ -482,6 +521,35 @@ class DeepseekV41Model(nn.Module):
         capture = wide(X).mean(-2) if blk.layer in a.dspark_target_layer_ids else None   # after Engram, averaged
         x, site = blk.open_attn(X, pre, join)
         return {"site": site, "attn": blk.attn.prepare(x, pos), "capture": capture}
+
+    def _slot_forward(self, inputs: dict, join: bool) -> dict:
+        """A decode step of single tokens whose caches sit in decode slots, as one piece: the pieces of `_piece`
+        with each layer's `csa2.Attention.core_slots` between them (fixed shapes, so a CUDA graph holds all of it)
+        -> {"logits", "captures": DSpark target layer -> [1, T, D]}."""
+        common = {k: inputs[k] for k in ("positions", "image_mask", "last")}
+        pos = inputs["positions"].transpose(0, 1)                                       # [T, 1]
+        out = self._piece(0, {"ids": inputs["ids"], "rows": inputs["rows"].get(0), **common}, join)
+        captures, selections = {}, {}
+        for k, blk in enumerate(self.layers):
+            if out["capture"] is not None:
+                captures[blk.layer] = out["capture"]
+            members = member_rows(out["attn"])
+            o = blk.attn.core_slots(members, inputs["slot_ids"], pos, self.decode_slots, selections)
+            out = self._piece(k + 1, {"site": out["site"], "o": o.transpose(0, 1), "rows": inputs["rows"].get(k + 1),
+                                      **common}, join)
+        return {"logits": out["logits"], "captures": captures}
+
+    def enable_decode_slots(self, n: int, max_seq_len: int) -> DecodeSlots:
+        """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
+        (decode_slots.py), which lets a CUDA graph hold their attention too."""
+        self.decode_slots = DecodeSlots(self.args, n, max_seq_len, self.dtype, self.head.weight.device)
+        return self.decode_slots
+
+    def release_state(self, state: V41State) -> None:
+        """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at
+        the same step of the plan, so that all ranks choose the same paths)."""
+        if state.slot is not None:
+            state.slots.drop(state)
 
     def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
         """Each chunk's Engram row ids [B_i, S_i, K]; the chunks `together` (single text tokens) in one hashing."""

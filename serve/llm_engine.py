@@ -85,21 +85,22 @@ class LLMEngine:
                                       batch_invariant=batch_invariant)
             # one process captures its graphs before measuring the memory left for the caches; several ranks
             # capture as the steps come (their warm-up steps would have to run in step)
-            self.max_batch_size = _limit("max_batch_size", max_batch_size, self.runner.engine.meta["build_config"])
-            self.cuda_graphs = self.runner.enable_cuda_graphs(cuda_graph,
-                                                              self.max_batch_size if self.world == 1 else None)
+            built = self.runner.engine.meta["build_config"]
+            self.max_batch_size = _limit("max_batch_size", max_batch_size, built)
+            self.max_seq_len = _limit("max_seq_len", max_seq_len, built)
+            self.cuda_graphs = self.runner.enable_cuda_graphs(cuda_graph, self.max_batch_size, self.max_seq_len,
+                                                              warm_up=self.world == 1)
             local = kv_cache_capacity(kv_cache_bytes, kv_cache_free_gpu_memory_fraction, self.runner.device)
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction,
-                   "batch_invariant": batch_invariant,
+                   "batch_invariant": batch_invariant, "max_batch_size": self.max_batch_size,
+                   "max_seq_len": self.max_seq_len,
                    "cuda_graph": None if cuda_graph is None else dataclasses.asdict(cuda_graph)}
             capacity = self._control.agree_capacity(cfg, local) if self._control else local
         except Exception as e:
             if self.world > 1:
                 abort_job(0, "engine start failed", e)
             raise
-        built = self.runner.engine.meta["build_config"]
         self.max_num_tokens = _limit("max_num_tokens", max_num_tokens, built)
-        self.max_seq_len = _limit("max_seq_len", max_seq_len, built)
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.args = self.runner.args

@@ -8,8 +8,10 @@ share its GEMMs (the kernels and their summation order follow the row count), so
 bits with its neighbours. `batch_invariant=True` runs each segment in a forward of its own instead: a request's
 tokens are computed exactly as they would be alone, whatever else is scheduled (SGLang's deterministic inference;
 slower). GPU engines run through this same runner (their plugin kernels bound in the model); a decode step of a
-captured batch size replays its per-token pieces as CUDA graphs (`enable_cuda_graphs`, runtime/cuda_graphs.py),
-the attention's cache work staying eager between them.
+captured batch size replays as CUDA graphs (`enable_cuda_graphs`, runtime/cuda_graphs.py): a V4.1 step as one
+graph, its requests' caches in decode slots (model_def/decode_slots.py, given back when the plan releases the
+request, on every rank at the same step); a V4 step as per-token pieces, the attention's cache work eager between
+them.
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same forwards in the same order (the TP all-reduces inside the model pair up).
@@ -61,26 +63,41 @@ class ModelRunner:
         self.spec = speculative       # SpecConfig | None
         self.wrap_drafter = wrap_drafter   # (drafter, seq) -> drafter: tests substitute proposals
         self.batch_invariant = batch_invariant
+        self._states: dict[str, object] = {}   # request id -> its model state (released with the plan's ids)
 
-    def enable_cuda_graphs(self, config, warm_up_to: int | None = None) -> bool:
-        """Decode steps as piecewise CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay
-        eager (their verify forwards are not decode steps). `warm_up_to`: capture the sizes up to it now (a single
-        process); else each size is captured on its second step. Returns whether graphs are on."""
+    def enable_cuda_graphs(self, config, max_batch_size: int, max_seq_len: int, warm_up: bool = False) -> bool:
+        """Decode steps as CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay eager
+        (their verify forwards are not decode steps). A V4.1 model also gets max_batch_size decode slots for
+        positions below max_seq_len (model_def/decode_slots.py), so that its decode steps are one graph each,
+        attention included; elsewhere the attention cores stay eager between the pieces. `warm_up`: capture the
+        sizes up to max_batch_size now (a single process); else each size is captured on its second step. Returns
+        whether graphs are on."""
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False
+        if hasattr(self.model, "enable_decode_slots"):
+            slots = self.model.enable_decode_slots(max_batch_size, max_seq_len)
+            log.info("decode slots: %d requests × %d positions, %.2f GiB", max_batch_size, max_seq_len,
+                     slots.nbytes / 2**30)
         self.model.cuda_graphs = graphs = DecodeGraphs(self.model, config)
-        if warm_up_to is not None:
+        if warm_up:
             t = time.perf_counter()
-            sizes = graphs.warm_up(self.model, warm_up_to)
+            sizes = graphs.warm_up(self.model, max_batch_size)
             log.info("CUDA graphs: %d decode batch sizes captured (up to %s) in %.1f s", len(sizes),
                      max(sizes, default=0), time.perf_counter() - t)
         return True
+
+    def release(self, state) -> None:
+        """A request's state is done with (finished, aborted or reset): give back what it holds in the model."""
+        if state is not None and hasattr(self.model, "release_state"):
+            self.model.release_state(state)
 
     def run(self, batch: Batch, released: list[str]) -> dict[Sequence, torch.Tensor]:
         """Run every segment (after telling the workers, and which requests' states to drop); returns the
         next-token logits of the sequences whose segment reached their last token."""
         if self.control is not None:
             self.control.send_step(released, [(s.seq.request_id, s.ids, s.reset) for s in batch.segments])
+        for rid in released:
+            self.release(self._states.pop(rid, None))
         out = {}
         if self.spec is not None:
             for seg in batch.segments:
@@ -90,7 +107,8 @@ class ModelRunner:
             return out
         for seg in batch.segments:
             if seg.reset:
-                seg.seq.state = self.model.new_state(1)
+                self.release(seg.seq.state)
+                seg.seq.state = self._states[seg.seq.request_id] = self.model.new_state(1)
         work = [(seg.seq.state, seg.ids) for seg in batch.segments]
         for seg, logits in zip(batch.segments, run_segments(self.model, self.device, work, self.batch_invariant)):
             seg.seq.num_computed = seg.end

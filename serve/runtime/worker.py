@@ -85,7 +85,8 @@ def worker_loop(engine_dir: str) -> int:
         rank, _, mpi, comm = connect(engine_dir)
         runner = ModelRunner(engine_dir, rank=rank, comm=comm)
         cfg = mpi.bcast(None, root=0)
-        runner.enable_cuda_graphs(CudaGraphConfig(**cfg["cuda_graph"]) if cfg["cuda_graph"] else None)
+        runner.enable_cuda_graphs(CudaGraphConfig(**cfg["cuda_graph"]) if cfg["cuda_graph"] else None,
+                                  cfg["max_batch_size"], cfg["max_seq_len"])
         mpi.allreduce(kv_cache_capacity(cfg["kv_cache_bytes"], cfg["free_fraction"], runner.device), op=MPI.MIN)
         states = {}
         while True:
@@ -93,10 +94,11 @@ def worker_loop(engine_dir: str) -> int:
             if msg["op"] == "shutdown":
                 break
             for rid in msg["free"]:
-                states.pop(rid, None)
+                runner.release(states.pop(rid, None))
             work = []
             for rid, ids, reset in msg["run"]:
                 if reset:
+                    runner.release(states.get(rid))
                     states[rid] = runner.model.new_state(1)
                 elif rid not in states:
                     raise RuntimeError(f"plan continues request {rid!r}, but this rank holds no state for it")

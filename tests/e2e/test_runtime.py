@@ -139,6 +139,26 @@ def test_batch_invariance(family, mode, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_decode_slots_serve_the_same_tokens(tmp_path_factory):
+    """The V4.1 mixed set again with the decode caches in slots (model_def/decode_slots.py; on a GPU they come with
+    the CUDA graphs): the same tokens as each request alone, prompt chunks and slot decode tokens sharing steps, and
+    every slot back once the requests are done (released with the plan, not when Python collects the states)."""
+    ref = alone("v41", tmp_path_factory, "fused64")
+    eng = engine("v41", tmp_path_factory, "fused64", max_num_tokens=24)
+    model = eng.runner.model
+    slots = model.enable_decode_slots(len(ref), BUILD.max_seq_len)
+    try:
+        got = run(eng, requests(len(ref)))
+        # the last step's finished requests are released with the next plan: one more request (a prompt only)
+        run(eng, [Request("tail", prompt(999, 3), SamplingParams(max_tokens=1, ignore_eos=True))])
+        free = slots.free
+    finally:
+        model.decode_slots = None
+    assert got == ref
+    assert free == len(ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["isolated", "fused64"])
 def test_cache_exhaustion_preempts_and_recovers(family, mode, tmp_path_factory):
     """A pool (4-token pages) that holds both requests' prompts and nothing more: when the older one needs a page,
