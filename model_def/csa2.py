@@ -11,7 +11,6 @@ the layers up to the next index source reuse it. Semantics follow transformers' 
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -135,15 +134,8 @@ class DecodeBatch(DecodeRows):
         self.ctxs = [ctxs[i] for i in members]
         self.selections: dict = {}
         self._sources: dict[int, BatchedSource] = {}
-        # with decode slots (decode_slots.DecodeSlots) that hold every member: their caches live there, and the
-        # layers run `Attention.core_slots` on the members' rows (`rows`, or all rows when the step only decodes)
-        self.slots = self.slot_ids = self.rows = None
-        if slots is not None and all(slots.fits(c.state) for c in self.ctxs) \
-                and len(members) <= slots.free + sum(c.state.slot is not None for c in self.ctxs):
-            self.slots, self.slot_ids = slots, slots.slot_tensor([c.state for c in self.ctxs])
-            if len(members) < len(rag.shapes):
-                offsets = [0, *itertools.accumulate(rag.sizes)]
-                self.rows = self.ints([offsets[i] for i in members])
+        # with decode slots that hold every member, the layers run `Attention.slot_scores` / `slot_attend` on them
+        self.take_slots(slots, [c.state for c in self.ctxs])
 
     def compressed(self, source: int, refresh: bool) -> BatchedSource:
         """The batched caches of `source` (rebuilt when `refresh`: its layer has just appended to them)."""
@@ -151,20 +143,6 @@ class DecodeBatch(DecodeRows):
             caches = [c.state.sources[source] for c in self.ctxs]
             self._sources[source] = BatchedSource(caches, self.ints([c.count for c in caches]))
         return self._sources[source]
-
-
-def member_rows(prepared: tuple) -> tuple:
-    """`Attention.prepare`'s outputs [1, N, ...] as N single-token rows [N, 1, ...] (views)."""
-    return _tree(lambda t: t.transpose(0, 1), prepared)
-
-
-def _tree(fn, x):
-    """fn over the tensors of a nested tuple (None passes): `prepare`'s outputs."""
-    if x is None:
-        return None
-    if isinstance(x, tuple):
-        return tuple(_tree(fn, t) for t in x)
-    return fn(x)
 
 
 # -- modules -------------------------------------------------------------------------------------------------------
@@ -365,8 +343,7 @@ class Attention(nn.Module):
             if self.ratio and iq[i] is not None:
                 partials.append(self.indexer.partial_scores(*iq[i], ctxs[i].state.sources[self.kv_source].index_k))
         if in_slots:
-            members = member_rows(prepared if batch.rows is None
-                                  else _tree(lambda t: t.index_select(1, batch.rows), prepared))
+            members = batch.member_rows(prepared)
             part = self.slot_scores(members, batch.slot_ids, batch.positions, batch.slots)
             if part is not None:
                 partials.append(part)

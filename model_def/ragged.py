@@ -7,6 +7,7 @@ own cache (the attention core, the compressor's pooling, Engram's hashing) runs 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -84,6 +85,8 @@ class DecodeRows:
 
     def __init__(self, rag: Ragged, members: list[int]):
         self.members, self.index = members, set(members)
+        self._sizes = rag.sizes
+        self.slots = self.slot_ids = self.rows = None   # `take_slots`
         self.starts = [rag.starts[i] for i in members]
         per_chunk = rag.split(rag.positions)
         self.positions = torch.cat([per_chunk[i] for i in members])                  # [N, 1]
@@ -94,6 +97,23 @@ class DecodeRows:
         """The forward's decode rows, or None when fewer than min_size chunks are single tokens."""
         members = [i for i, shape in enumerate(rag.shapes) if shape == (1, 1)]
         return cls(rag, members, *args) if len(members) >= min_size else None
+
+    def take_slots(self, slots, states: list) -> None:
+        """With decode slots (decode_slots.py) that can hold every member (`states`: theirs, in member order), move
+        their caches there: `slots`, their slot ids [N] (`slot_ids`) and, when other chunks share the forward, the
+        members' rows on the token axis (`rows`; None: every row is a member). Else `slots` stays None."""
+        self.slots = self.slot_ids = self.rows = None
+        if slots is None or not all(slots.fits(s) for s in states) \
+                or len(states) > slots.free + sum(s.slot is not None for s in states):
+            return
+        self.slots, self.slot_ids = slots, slots.slot_tensor(states)
+        if len(self.members) < len(self._sizes):
+            offsets = [0, *itertools.accumulate(self._sizes)]
+            self.rows = self.ints([offsets[i] for i in self.members])
+
+    def member_rows(self, prepared: tuple) -> tuple:
+        """An attention's `prepare` outputs [1, T, ...] -> the members' rows as [N, 1, ...] (`member_rows`)."""
+        return member_rows(prepared if self.rows is None else tree_map(lambda t: t.index_select(1, self.rows), prepared))
 
     def ints(self, values) -> torch.Tensor:
         """Host ints (cache lengths, entry positions, row indices) as a device tensor, copied once per forward however
@@ -106,6 +126,20 @@ class DecodeRows:
     def stack(self, parts: list) -> tuple[torch.Tensor, ...]:
         """The members' per-chunk tuples of [1,1,...] tensors -> one tuple of [N,1,...] tensors."""
         return tuple(torch.cat(t) for t in zip(*(parts[i] for i in self.members)))
+
+
+def tree_map(fn, x):
+    """fn over the tensors of a nested tuple (None passes): an attention's `prepare` outputs."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(tree_map(fn, t) for t in x)
+    return fn(x)
+
+
+def member_rows(prepared: tuple) -> tuple:
+    """`prepare` outputs [1, N, ...] as N single-token rows [N, 1, ...] (views)."""
+    return tree_map(lambda t: t.transpose(0, 1), prepared)
 
 
 def first_rows(t, n: int):

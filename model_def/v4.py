@@ -17,6 +17,7 @@ from torch import nn
 
 from dsflash.model_def import dispatch, ragged
 from dsflash.model_def.config import V4Args
+from dsflash.model_def.decode_slots import V4DecodeSlots
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
                                       norm_pair, rope_table, sink_attention, sqrtsoftplus, stacked_or_each, tp_of,
@@ -155,12 +156,35 @@ class V4State:
 
     def __init__(self, layers: list[dict], mtp: list[dict]):
         self.pos, self.mtp_pos = 0, [0] * len(mtp)
-        self.layers, self.mtp = layers, mtp
+        self._layers, self.mtp = layers, mtp
+        self.batch = layers[0]["win"].shape[0] if layers else 1
+        self.slots, self.slot = None, None   # decode_slots.V4DecodeSlots holding the main layers' caches, its slot
+
+    # The main layers' caches as per-request tensors, for every path but a slot decode step: a state whose caches
+    # sit in a decode slot (model_def/decode_slots.py) gets them back first, and gives the slot up.
+    @property
+    def layers(self) -> list[dict]:
+        self._to_lists()
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: list[dict]) -> None:
+        self._to_lists()
+        self._layers = value
+
+    def _to_lists(self) -> None:
+        if self.slot is not None:
+            self.slots.unpack(self)
+
+    def forget_caches(self) -> None:
+        """The request is done: its slot goes back without its caches (`V4DecodeSlots.drop`)."""
+        self._layers = None
 
     def snapshot(self):
         return self.pos, list(self.mtp_pos), [dict(d) for d in self.layers], [dict(d) for d in self.mtp]
 
     def restore(self, snap) -> None:
+        self._to_lists()   # (before `pos` changes: a slot's caches are read back at the current position)
         self.pos, self.mtp_pos = snap[0], list(snap[1])
         self.layers, self.mtp = [dict(d) for d in snap[2]], [dict(d) for d in snap[3]]
 
@@ -279,6 +303,39 @@ class Compressor(nn.Module):
         return [st[key + ".cache"] for st in sts]
 
 
+    def pool_slots(self, proj: tuple[torch.Tensor, torch.Tensor], st: dict, key: str, slot_ids: torch.Tensor,
+                   pos: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """`pool_decode` in decode slots (`st`: the layer's slot tensors; pos [N]): the token's row written into its
+        open group, the group's entry computed from it and written at row pos // ratio of the cache (visible once
+        the group completes, rewritten until then), and, when the token completes the group, its first halves kept
+        as the next entry's previous rows (overlap)."""
+        kv, sc = proj                                                                     # [N,1,c*d]
+        r, d = self.ratio, self.dim
+        row = pos % r
+        pend_kv, pend_sc = st[key + ".pend_kv"], st[key + ".pend_sc"]
+        pend_kv[slot_ids, row] = kv[:, 0]
+        pend_sc[slot_ids, row] = (sc + self.ape[row].unsqueeze(1))[:, 0]
+        kv, sc = pend_kv[slot_ids].unsqueeze(1), pend_sc[slot_ids].unsqueeze(1)              # [N,1,r,c*d]
+        if self.overlap:
+            prev_kv, prev_sc = st[key + ".prev_kv"], st[key + ".prev_sc"]
+            old_kv, old_sc = prev_kv[slot_ids].unsqueeze(1), prev_sc[slot_ids].unsqueeze(1)   # [N,1,r,d]
+            done = (row == r - 1).view(-1, 1, 1)
+            prev_kv[slot_ids] = torch.where(done, kv[:, 0, :, :d], old_kv[:, 0])
+            prev_sc[slot_ids] = torch.where(done, sc[:, 0, :, :d], old_sc[:, 0])
+            kv = torch.cat([old_kv, kv[..., d:]], 2)                                      # [N,1,2r,d]
+            sc = torch.cat([old_sc, sc[..., d:]], 2)
+        e = (kv * sc.softmax(2)).sum(2)                                                   # [N,1,d]
+        e = rms_norm(e, self.norm.eps, self.norm.weight)
+        e = apply_rope(e, (pos // r * r).unsqueeze(1), inv_freq)
+        if self.numerics.deploy:
+            if self.kind == "index":
+                e = _index_quant(e)
+            else:
+                e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+        cache = st[key + ".cache"]
+        cache[slot_ids, pos // r] = e[:, 0].to(cache.dtype)
+
+
 class Indexer(nn.Module):
     """Lightning indexer (§2.6): per query, the top-`index_topk` visible ratio-4 entries by Σ_h w_h·ReLU(q_h·k_t)."""
 
@@ -337,6 +394,7 @@ class Attention(nn.Module):
         D, H, d, q = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank
         g, ol = args.o_groups, args.o_lora_rank
         self.ratio, self.window, self.head_dim, self.eps = args.ratio(layer), args.sliding_window, d, args.rms_norm_eps
+        self.layer = layer
         self.n_heads, self.n_groups, self.o_lora_rank = H // tp, g // tp, ol
         self.nope, self.numerics = d - args.rope_dim, numerics
         self.wq_a = Linear(D, q, numerics, "fp8", dtype=dtype)
@@ -406,6 +464,7 @@ class Attention(nn.Module):
         if idx_p is not None:
             idx = list(zip(zip(*map(rag.split, idx_p[0])), zip(*map(rag.split, idx_p[1]))))
         alone = [i for i in range(len(states)) if decode is None or i not in decode.index]
+        in_slots = decode is not None and decode.slots is not None
         qs, kvs, poss = rag.split(q), rag.split(kv), rag.split(pos)
         windows, entries, partials = {}, {}, []
         for i in alone:
@@ -417,7 +476,12 @@ class Attention(nn.Module):
                 k = self.indexer.compressor.pool(idx[i][0], p0, st, "idx", f)
                 partials.append(self.indexer.partial_scores(*idx[i][1], k))
         entries_b = None
-        if decode is not None:
+        if in_slots:
+            members = decode.member_rows(prepared)
+            part = self.slot_scores(members, decode.slot_ids, decode.positions, decode.slots)
+            if part is not None:
+                partials.append(part)
+        elif decode is not None:
             states_b = [states[i] for i in decode.members]
             if self.compressor is not None:
                 entries_b = self.compressor.pool_decode(decode.stack(comp), decode, states_b, "kv", f)
@@ -439,12 +503,57 @@ class Attention(nn.Module):
                 keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
                 allowed = torch.cat([allowed, sel], -1)
             out[i] = sink_attention(q_i, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
-        if decode is not None:
+        if in_slots:
+            o = self.slot_attend(members, decode.slot_ids, decode.positions, decode.slots, next(scores, None))
+        elif decode is not None:
             o = self._attend_batch(decode, states_b, entries_b, torch.cat([qs[i] for i in decode.members]),
                                    torch.cat([kvs[i] for i in decode.members]), next(scores, None))
+        if decode is not None:
             for k, i in enumerate(decode.members):
                 out[i] = o[k:k + 1]
         return rag.join(out)
+
+    # -- decode steps in fixed slots (decode_slots.py): fixed shapes, no host sync, so a CUDA graph captures them --
+    def core_slots(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots) -> torch.Tensor:
+        """`core` for N single-token requests whose caches sit in `slots`: `prepare`'s outputs as [N, 1, ...]
+        (`members`), their slots [N] and positions [N, 1] -> o [N, 1, h, d]."""
+        part = self.slot_scores(members, slot_ids, pos, slots)
+        scores = None if part is None else self.indexer.comm.all_reduce(part)
+        return self.slot_attend(members, slot_ids, pos, slots, scores)
+
+    def slot_scores(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots) -> torch.Tensor | None:
+        """The part before the indexer's all-reduce: both compressors' pooling into the slots and the indexer's
+        partial scores over every entry row [N, 1, E] (`Indexer.select` masks the rows not yet visible)."""
+        _, _, comp, idx = members
+        st, f = slots.layers[self.layer], rope_table(*self.rope, slot_ids.device)
+        if comp is not None:
+            self.compressor.pool_slots(comp, st, "kv", slot_ids, pos[:, 0], f)
+        if idx is None:
+            return None
+        self.indexer.compressor.pool_slots(idx[0], st, "idx", slot_ids, pos[:, 0], f)
+        return self.indexer.partial_scores(*idx[1], st["idx.cache"][slot_ids])
+
+    def slot_attend(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots,
+                    scores: torch.Tensor | None) -> torch.Tensor:
+        """The part after the indexer's all-reduce (`_attend_batch` over the slots): keys = the window ring, the new
+        row (then written into the ring) and every entry row of the compressed cache, masked -> o [N, 1, h, d]."""
+        q, kv = members[:2]
+        st, W = slots.layers[self.layer], self.window
+        ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W                 # [N,W]
+        kpos = torch.cat([ring_pos, pos], 1)
+        allowed = ((kpos >= 0) & (kpos > pos - W)).unsqueeze(1)                                   # [N,1,W+1]
+        rings = st["win"][slot_ids]
+        keys = torch.cat([rings, kv.to(rings.dtype)], 1)
+        st["win"][slot_ids, pos[:, 0] % W] = kv[:, 0].to(rings.dtype)
+        if self.compressor is not None:
+            ckv = st["kv.cache"][slot_ids]                                                        # [N,E,d]
+            if self.indexer is not None:
+                sel = self.indexer.select(scores, pos)
+            else:  # HCA: every complete group
+                sel = (torch.arange(ckv.shape[1], device=pos.device) < ((pos + 1) // self.ratio)).unsqueeze(1)
+            keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
+            allowed = torch.cat([allowed, sel], -1)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
 
     def _attend_batch(self, batch: DecodeRows, states: list[dict], entries: list[torch.Tensor] | None,
                       q: torch.Tensor, kv: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -702,6 +811,7 @@ class DeepseekV4Model(nn.Module):
                                            (self.embed, self.head)) for j in range(args.n_draft)])
         self.comm = comm
         self.cuda_graphs = None   # a decode step's pieces as CUDA graphs (serve/runtime/cuda_graphs.py)
+        self.decode_slots: V4DecodeSlots | None = None   # fixed decode caches (`enable_decode_slots`)
 
     def new_state(self, batch_size: int) -> V4State:
         layers, mtp = [{} for _ in self.layers], [{} for _ in self.mtp]
@@ -731,17 +841,32 @@ class DeepseekV4Model(nn.Module):
         a decode step of a captured size replays the pieces as CUDA graphs (`cuda_graphs`, set by the serving
         runtime). head: -> each chunk's last-position logits; else (the layout, the final streams [1,T,n,D])."""
         rag = Ragged.of(chunks)
-        decode = DecodeRows.of(rag)   # the single-token chunks, attended as one batch (two or more)
+        slots = self.decode_slots
+        # the single-token chunks, attended as one batch (two or more; one with decode slots, which hold their caches
+        # when there is room)
+        decode = DecodeRows.of(rag, min_size=2 if slots is None else 1)
+        if decode is not None:
+            decode.take_slots(slots, [chunks[i].state for i in decode.members])
+        in_slots = decode is not None and decode.slots is not None
         graphs = None if self.cuda_graphs is None or not head else self.cuda_graphs.pieces_for(rag, None)
         pad = (lambda t: t) if graphs is None else graphs.pad_rows
         n = rag.total
         last = None if graphs is not None or not head else rag.last_rows(chunks[0].ids.device)
         common = {"ids": pad(rag.join([c.ids for c in chunks])), "positions": pad(rag.positions), "last": last}
         run = graphs.run if graphs is not None else (lambda k, fn, inputs: fn(inputs))
-        out = run(0, lambda i: self._piece(0, i, head), common)
-        for k, blk in enumerate(self.layers):
-            o = blk.attn.core(ragged.first_rows(out["attn"], n), [c.state.layers[k] for c in chunks], rag, decode)
-            out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, head), {"site": out["site"], "o": pad(o), **common})
+        if in_slots and decode.rows is None and head:
+            # every chunk decodes in a slot: the whole forward is one piece, attention cores included
+            slot_ids = decode.slot_ids if graphs is None else torch.cat(
+                [decode.slot_ids, decode.slot_ids.new_full((graphs.size - n,), slots.scratch)])
+            out = run("slots", self._slot_forward, {**common, "slot_ids": slot_ids})
+        else:
+            held = [in_slots and i in decode.index for i in range(len(chunks))]   # (never read as lists)
+            out = run(0, lambda i: self._piece(0, i, head), common)
+            for k, blk in enumerate(self.layers):
+                states = [None if h else c.state.layers[k] for c, h in zip(chunks, held)]
+                o = blk.attn.core(ragged.first_rows(out["attn"], n), states, rag, decode)
+                out = run(k + 1, lambda i, k=k: self._piece(k + 1, i, head),
+                          {"site": out["site"], "o": pad(o), **common})
         for c in chunks:
             c.state.pos += c.ids.shape[1]
         if not head:
@@ -750,6 +875,29 @@ class DeepseekV4Model(nn.Module):
         if graphs is not None:   # the graph's output buffer is rewritten by the next replay
             logits = logits[:, :n].clone()
         return rag.split_rows(logits[0])
+
+    def _slot_forward(self, inputs: dict) -> dict:
+        """A decode step of single tokens whose caches sit in decode slots, as one piece: the pieces of `_piece` with
+        each layer's `Attention.core_slots` between them (fixed shapes: a CUDA graph holds all of it) -> {"logits"}."""
+        common = {k: inputs[k] for k in ("ids", "positions", "last")}
+        pos = inputs["positions"].transpose(0, 1)                                       # [T, 1]
+        out = self._piece(0, common, True)
+        for k, blk in enumerate(self.layers):
+            o = blk.attn.core_slots(ragged.member_rows(out["attn"]), inputs["slot_ids"], pos, self.decode_slots)
+            out = self._piece(k + 1, {"site": out["site"], "o": o.transpose(0, 1), **common}, True)
+        return out
+
+    def enable_decode_slots(self, n: int, max_seq_len: int) -> V4DecodeSlots:
+        """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
+        (decode_slots.py), which lets a CUDA graph hold their attention too."""
+        self.decode_slots = V4DecodeSlots(self, n, max_seq_len)
+        return self.decode_slots
+
+    def release_state(self, state: V4State) -> None:
+        """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at
+        the same step of the plan, so that all ranks choose the same paths)."""
+        if state.slot is not None:
+            state.slots.drop(state)
 
     def _piece(self, k: int, inputs: dict, head: bool) -> dict:
         """Piece k over T rows: k = 0 embeds `ids`; 0 < k ≤ L finishes layer k − 1 (its attention output `o`

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.model_def import dispatch, dspark, engram, ragged
-from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache, member_rows
+from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
 from dsflash.model_def.decode_slots import DecodeSlots
 from dsflash.model_def.layers import (Expert, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, VocabParallelHead, wide, wide_weight)
@@ -334,6 +334,10 @@ class V41State:
         if self.slot is not None:
             self.slots.unpack(self)
 
+    def forget_caches(self) -> None:
+        """The request is done: its slot goes back without its caches (`DecodeSlots.drop`)."""
+        self._window = self._sources = None
+
     def snapshot(self) -> dict:
         """An independent copy of the state (restore() it any number of times)."""
         return {k: _clone(getattr(self, k)) for k in self._FIELDS}
@@ -533,7 +537,7 @@ class DeepseekV41Model(nn.Module):
         for k, blk in enumerate(self.layers):
             if out["capture"] is not None:
                 captures[blk.layer] = out["capture"]
-            members = member_rows(out["attn"])
+            members = ragged.member_rows(out["attn"])
             o = blk.attn.core_slots(members, inputs["slot_ids"], pos, self.decode_slots, selections)
             out = self._piece(k + 1, {"site": out["site"], "o": o.transpose(0, 1), "rows": inputs["rows"].get(k + 1),
                                       **common}, join)

@@ -6,9 +6,9 @@ everything per token between layer k − 1's and layer k's attention cores (the 
 next layer's norms and projections), and the last piece the head. The cores read and write each request's own
 caches, whose sizes change every step, so they stay eager between the pieces. A decode step (every chunk one token,
 no image tokens) of a batch size in the ladder replays each piece as a CUDA graph made for that size: one launch for
-a piece's ~100 kernels instead of ~100 host launches. A V4.1 decode step whose requests all hold decode slots
-(model_def/decode_slots.py: caches of fixed shape at fixed addresses) is a single piece, attention cores included:
-one replay per step.
+a piece's ~100 kernels instead of ~100 host launches. A decode step whose requests all hold decode slots
+(model_def/decode_slots.py: caches of fixed shape at fixed addresses; both families) is a single piece, attention
+cores included: one replay per step.
 
 Per (batch size, piece): the first step runs the piece eagerly (the warm-up: Triton compiles, tuned lookups, lazy
 initialisation; nothing of that may happen inside a capture), the second captures it into the shared pool and
@@ -293,9 +293,8 @@ def _comm_counters(model) -> list:
 
 def add_cli_args(p) -> None:
     """The CUDA-graph flags of `dsflash serve` and `dsflash bench`; `config_from_cli` reads them."""
-    g = p.add_argument_group("CUDA graphs (TRT-LLM's cuda_graph_config; GPU engines: a V4.1 decode step replayed "
-                             "as one graph, its caches in max_batch_size decode slots; V4: its per-token pieces "
-                             "replayed, the attention's cache work eager between them)")
+    g = p.add_argument_group("CUDA graphs (TRT-LLM's cuda_graph_config; GPU engines: a decode step replayed as one "
+                             "graph, its requests' caches in max_batch_size decode slots)")
     g.add_argument("--cuda-graph-batch-sizes", "--cuda_graph_batch_sizes", default=None, metavar="N,N,...",
                    help="decode batch sizes to capture (default: TRT-LLM's ladder up to --cuda-graph-max-batch-size)")
     g.add_argument("--cuda-graph-max-batch-size", "--cuda_graph_max_batch_size", type=int, default=0,

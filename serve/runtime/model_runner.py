@@ -8,10 +8,10 @@ share its GEMMs (the kernels and their summation order follow the row count), so
 bits with its neighbours. `batch_invariant=True` runs each segment in a forward of its own instead: a request's
 tokens are computed exactly as they would be alone, whatever else is scheduled (SGLang's deterministic inference;
 slower). GPU engines run through this same runner (their plugin kernels bound in the model); a decode step of a
-captured batch size replays as CUDA graphs (`enable_cuda_graphs`, runtime/cuda_graphs.py): a V4.1 step as one
-graph, its requests' caches in decode slots (model_def/decode_slots.py, given back when the plan releases the
-request, on every rank at the same step); a V4 step as per-token pieces, the attention's cache work eager between
-them.
+captured batch size replays as one CUDA graph (`enable_cuda_graphs`, runtime/cuda_graphs.py), its requests'
+caches in decode slots (model_def/decode_slots.py, given back when the plan releases the request, on every rank
+at the same step); a step whose requests do not all fit the slots replays per-token pieces, the attention's cache
+work eager between them.
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same forwards in the same order (the TP all-reduces inside the model pair up).
@@ -67,9 +67,9 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, config, max_batch_size: int, max_seq_len: int, warm_up: bool = False) -> bool:
         """Decode steps as CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay eager
-        (their verify forwards are not decode steps). A V4.1 model also gets max_batch_size decode slots for
+        (their verify forwards are not decode steps). The model also gets max_batch_size decode slots for
         positions below max_seq_len (model_def/decode_slots.py), so that its decode steps are one graph each,
-        attention included; elsewhere the attention cores stay eager between the pieces. `warm_up`: capture the
+        attention included. `warm_up`: capture the
         sizes up to max_batch_size now (a single process); else each size is captured on its second step. Returns
         whether graphs are on."""
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):

@@ -139,12 +139,12 @@ def test_batch_invariance(family, mode, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_decode_slots_serve_the_same_tokens(tmp_path_factory):
-    """The V4.1 mixed set again with the decode caches in slots (model_def/decode_slots.py; on a GPU they come with
-    the CUDA graphs): the same tokens as each request alone, prompt chunks and slot decode tokens sharing steps, and
+def test_decode_slots_serve_the_same_tokens(family, tmp_path_factory):
+    """The mixed set again with the decode caches in slots (model_def/decode_slots.py; on a GPU they come with the
+    CUDA graphs): the same tokens as each request alone, prompt chunks and slot decode tokens sharing steps, and
     every slot back once the requests are done (released with the plan, not when Python collects the states)."""
-    ref = alone("v41", tmp_path_factory, "fused64")
-    eng = engine("v41", tmp_path_factory, "fused64", max_num_tokens=24)
+    ref = alone(family, tmp_path_factory, "fused64")
+    eng = engine(family, tmp_path_factory, "fused64", max_num_tokens=24)
     model = eng.runner.model
     slots = model.enable_decode_slots(len(ref), BUILD.max_seq_len)
     try:

@@ -167,10 +167,22 @@ def test_v4_decode_graphs_replay_the_eager_steps(tmp_path):
 def test_decode_slot_graphs_replay_the_eager_slot_steps(engine):
     """V4.1 decode steps in decode slots (model_def/decode_slots.py) are one CUDA graph each, attention included:
     the graph steps give the eager slot steps' logits (bit for bit at one request, within 1e-2 at three), and the
-    eager slot steps give the list caches' logits within 1e-2 (other GEMM shapes: every window row, every entry
-    row)."""
+    eager slot steps give the per-request caches' logits within 1e-2 (other GEMM shapes: every window row, every
+    entry row)."""
+    _slot_graphs_replay_the_eager_slot_steps(load_engine_model(engine)[0])
+
+
+def test_v4_decode_slot_graphs_replay_the_eager_slot_steps(tmp_path):
+    """The same for a tiny V4 engine."""
+    synthesize(get_preset("v4", "tiny"), tmp_path / "hf", seed=7)
+    convert(tmp_path / "hf", tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
+    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                       BuildConfig(max_num_tokens=64, tune_budget_s=0), progress=False)
+    _slot_graphs_replay_the_eager_slot_steps(load_engine_model(eng)[0])
+
+
+def _slot_graphs_replay_the_eager_slot_steps(model) -> None:
     from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
-    model = load_engine_model(engine)[0]
     for contexts in ([37], [37, 3, 20]):
         lists = _greedy_steps(model, contexts)
         model.enable_decode_slots(4, 256)
