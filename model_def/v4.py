@@ -538,22 +538,31 @@ class Attention(nn.Module):
         """The part after the indexer's all-reduce (`_attend_batch` over the slots): keys = the window ring, the new
         row (then written into the ring) and every entry row of the compressed cache, masked -> o [N, 1, h, d]."""
         q, kv = members[:2]
-        st, W = slots.layers[self.layer], self.window
-        ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W                 # [N,W]
-        kpos = torch.cat([ring_pos, pos], 1)
+        st = slots.layers[self.layer]
+        rings = st["win"][slot_ids]                                                               # [N,W,d]
+        ckv = None if self.compressor is None else st["kv.cache"][slot_ids]                       # [N,E,d]
+        keys, allowed = self._decode_keys(pos, rings, kv, ckv, scores)
+        st["win"][slot_ids, pos[:, 0] % self.window] = kv[:, 0].to(rings.dtype)
+        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+
+    def _decode_keys(self, pos: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, ckv: torch.Tensor | None,
+                     scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and mask of N decode rows at positions pos [N,1]: their window rings [N,W,d] and new rows kv [N,1,d],
+        then (compressing layers) their compressed entries ckv [N,T,d] (rows past a query's visible count masked;
+        the indexer's top-k of `scores` on ratio-4 layers) -> keys [N, W+1(+T), d], allowed [N, 1, W+1(+T)]."""
+        W = self.window
+        ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W   # [N,W] (< 0: empty slot)
+        kpos = torch.cat([ring_pos, pos], 1)                                                      # [N,W+1]
         allowed = ((kpos >= 0) & (kpos > pos - W)).unsqueeze(1)                                   # [N,1,W+1]
-        rings = st["win"][slot_ids]
         keys = torch.cat([rings, kv.to(rings.dtype)], 1)
-        st["win"][slot_ids, pos[:, 0] % W] = kv[:, 0].to(rings.dtype)
-        if self.compressor is not None:
-            ckv = st["kv.cache"][slot_ids]                                                        # [N,E,d]
+        if ckv is not None:
             if self.indexer is not None:
                 sel = self.indexer.select(scores, pos)
             else:  # HCA: every complete group
                 sel = (torch.arange(ckv.shape[1], device=pos.device) < ((pos + 1) // self.ratio)).unsqueeze(1)
             keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
             allowed = torch.cat([allowed, sel], -1)
-        return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
+        return keys, allowed
 
     def _attend_batch(self, batch: DecodeRows, states: list[dict], entries: list[torch.Tensor] | None,
                       q: torch.Tensor, kv: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -561,24 +570,13 @@ class Attention(nn.Module):
         caches (`entries`, [1,T_i,d] each), scores [N,1,T_max] (the indexer's, summed over the ranks) -> [N,1,h,d].
         Keys: each request's window ring and new row, then its compressed entries, padded to the longest cache
         (padding is never visible)."""
-        W, pos = self.window, batch.positions                                                     # pos [N,1]
-        ring_pos = (pos - 1) - (pos - 1 - torch.arange(W, device=pos.device)) % W   # [N,W] (< 0: empty slot)
-        kpos = torch.cat([ring_pos, pos], 1)                                                      # [N,W+1]
-        allowed = ((kpos >= 0) & (kpos > pos - W)).unsqueeze(1)                                   # [N,1,W+1]
+        pos = batch.positions                                                                     # [N,1]
         rings = torch.cat([st["win"] for st in states])                                           # [N,W,d]
-        keys = torch.cat([rings, kv.to(rings.dtype)], 1)
-        written = rings.index_put((torch.arange(len(states), device=pos.device), pos[:, 0] % W),
+        keys, allowed = self._decode_keys(pos, rings, kv, None if entries is None else _padded(entries), scores)
+        written = rings.index_put((torch.arange(len(states), device=pos.device), pos[:, 0] % self.window),
                                   kv[:, 0].to(rings.dtype))
         for k, st in enumerate(states):
             st["win"] = written[k:k + 1]
-        if entries is not None:
-            ckv = _padded(entries)                                                                # [N,T_max,d]
-            if self.indexer is not None:
-                sel = self.indexer.select(scores, pos)
-            else:  # HCA: every complete group
-                sel = (torch.arange(ckv.shape[1], device=pos.device) < ((pos + 1) // self.ratio)).unsqueeze(1)
-            keys = torch.cat([keys, ckv.to(keys.dtype)], 1)
-            allowed = torch.cat([allowed, sel], -1)
         return sink_attention(q, keys, allowed, self.attn_sink, self.head_dim ** -0.5)
 
     def _window_keys(self, pos0: int, pos: torch.Tensor, st: dict,

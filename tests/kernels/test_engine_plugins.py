@@ -155,13 +155,18 @@ def test_decode_graphs_replay_the_eager_steps(engine):
     _graphs_replay_the_eager_steps(load_engine_model(engine)[0])
 
 
-def test_v4_decode_graphs_replay_the_eager_steps(tmp_path):
+@pytest.fixture(scope="module")
+def v4_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-v4")
+    synthesize(get_preset("v4", "tiny"), root / "hf", seed=7)
+    convert(root / "hf", root / "hop", "hopper", progress=False, log=lambda *a: None)
+    return write_engine(root / "hop", root / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                        BuildConfig(max_num_tokens=64, tune_budget_s=0), progress=False)
+
+
+def test_v4_decode_graphs_replay_the_eager_steps(v4_engine):
     """The same for a tiny V4 engine (its pieces: no lagged mHC, hash-routed MoE layers)."""
-    synthesize(get_preset("v4", "tiny"), tmp_path / "hf", seed=7)
-    convert(tmp_path / "hf", tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
-    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90",
-                       BuildConfig(max_num_tokens=64, tune_budget_s=0), progress=False)
-    _graphs_replay_the_eager_steps(load_engine_model(eng)[0])
+    _graphs_replay_the_eager_steps(load_engine_model(v4_engine)[0])
 
 
 def test_decode_slot_graphs_replay_the_eager_slot_steps(engine):
@@ -172,13 +177,9 @@ def test_decode_slot_graphs_replay_the_eager_slot_steps(engine):
     _slot_graphs_replay_the_eager_slot_steps(load_engine_model(engine)[0])
 
 
-def test_v4_decode_slot_graphs_replay_the_eager_slot_steps(tmp_path):
+def test_v4_decode_slot_graphs_replay_the_eager_slot_steps(v4_engine):
     """The same for a tiny V4 engine."""
-    synthesize(get_preset("v4", "tiny"), tmp_path / "hf", seed=7)
-    convert(tmp_path / "hf", tmp_path / "hop", "hopper", progress=False, log=lambda *a: None)
-    eng = write_engine(tmp_path / "hop", tmp_path / "eng", Mapping(world_size=1, tp_size=1), "sm90",
-                       BuildConfig(max_num_tokens=64, tune_budget_s=0), progress=False)
-    _slot_graphs_replay_the_eager_slot_steps(load_engine_model(eng)[0])
+    _slot_graphs_replay_the_eager_slot_steps(load_engine_model(v4_engine)[0])
 
 
 def _slot_graphs_replay_the_eager_slot_steps(model) -> None:

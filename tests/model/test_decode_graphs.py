@@ -144,10 +144,12 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_goes_on(model, caplog):
 
 def test_a_simulated_rank_counts_the_replayed_collectives():
     """A TP2 rank alone (SimulatedComm): its all-reduces and the head's gather are counted in Python, which a
-    replay does not run; the runner counts them per replay as the eager steps do."""
+    replay does not run; the runner counts them per replay as the eager steps do, with the per-request caches and
+    with decode slots (model_def/decode_slots.py: the same collectives; the indexer's scores span every entry row
+    there, so their sizes differ)."""
     args = get_preset("v41", "tiny")
-    counts = []
-    for use_graphs in (False, True):
+    counts = {}
+    for mode in ("eager", "graphs", "slots", "slots+graphs"):
         m = Mapping(world_size=2, tp_size=2, rank=1)
         comm = SimulatedComm(m)
         model = DeepseekV41Model(args, Numerics("deploy", args.act_block), mapping=m, comm=comm,
@@ -156,9 +158,12 @@ def test_a_simulated_rank_counts_the_replayed_collectives():
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.05 + (p.dim() == 1))
-        if use_graphs:
+        if "slots" in mode:
+            model.enable_decode_slots(2, 64)
+        if "graphs" in mode:
             _with_graphs(model, CudaGraphConfig([2]))
         _decode(model, [9, 30], 4)
-        counts.append((comm.counts.calls, dict(comm.counts.by_size), comm.gathers.calls, dict(comm.gathers.by_size)))
-        assert not use_graphs or model.cuda_graphs.counts["replayed"] > 0
-    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][2] > 0
+        counts[mode] = (comm.counts.calls, comm.gathers.calls, dict(comm.gathers.by_size), dict(comm.counts.by_size))
+        assert "graphs" not in mode or model.cuda_graphs.counts["replayed"] > 0
+    assert counts["eager"] == counts["graphs"] and counts["slots"] == counts["slots+graphs"]
+    assert counts["eager"][:3] == counts["slots"][:3] and counts["eager"][0] > 0 and counts["eager"][1] > 0

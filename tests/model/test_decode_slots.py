@@ -10,10 +10,7 @@ import torch
 
 from dsflash.convert.synth import synthesize
 from dsflash.model_def import get_preset, load_reference
-from dsflash.model_def.layers import Numerics, SimulatedComm
-from dsflash.model_def.mapping import Mapping
 from dsflash.model_def.ragged import Chunk
-from dsflash.model_def.v41 import DeepseekV41Model
 from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs, StandInBackend
 
 # tiny presets: window 32; V4.1 ratio-2 sources (layers 2, 4), a ratio-1 source (6), candidate blocks at layer 6;
@@ -186,29 +183,6 @@ def test_a_decode_step_in_slots_is_one_graph(model, slots):
     assert graphs.counts == {"eager": 1, "captured": 1, "replayed": 7}
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
-
-
-def test_a_simulated_rank_makes_the_same_collectives_in_slots():
-    """A TP2 rank alone: the slot steps make the list steps' all-reduces (the indexer's scores now span every
-    entry row, so their sizes differ), and a graph of them counts each replay's."""
-    args = get_preset("v41", "tiny")
-    counts = []
-    for mode in ("lists", "slots", "graphs"):
-        m = Mapping(world_size=2, tp_size=2, rank=1)
-        comm = SimulatedComm(m)
-        model = DeepseekV41Model(args, Numerics("deploy", args.act_block), mapping=m, comm=comm,
-                                 dtype=torch.float64).eval()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.05 + (p.dim() == 1))
-        if mode != "lists":
-            model.enable_decode_slots(2, 64)
-        if mode == "graphs":
-            model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([2]), StandInBackend())
-        _decode(model, [9, 30], 4)
-        counts.append((comm.counts.calls, comm.gathers.calls, dict(comm.counts.by_size)))
-    assert counts[0][:2] == counts[1][:2] and counts[1] == counts[2] and counts[0][0] > 0
 
 
 def test_slot_arguments_are_checked(model):
