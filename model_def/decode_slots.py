@@ -84,6 +84,7 @@ class SlotPool:
         if state.slot is None:
             slot = self._free.pop()
             self.pack(state, slot)
+            state.forget_caches()   # the slot holds them now (`unpack` rebuilds them)
             state.slot, state.slots = slot, self
             self._finalizers[slot] = weakref.finalize(state, self._release, slot)
         return state.slot
@@ -101,9 +102,9 @@ class SlotPool:
         self._release(slot)
 
     def drop(self, state) -> None:
-        """Free `state`'s slot without moving its caches out: the request is finished, its caches are gone."""
+        """Free `state`'s slot without moving its caches out: the request is finished (its caches are gone: any
+        later use of them fails)."""
         slot = state.slot
-        state.forget_caches()
         state.slot, state.slots = None, None
         self._finalizers.pop(slot).detach()
         self._release(slot)

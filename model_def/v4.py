@@ -177,7 +177,7 @@ class V4State:
             self.slots.unpack(self)
 
     def forget_caches(self) -> None:
-        """The request is done: its slot goes back without its caches (`V4DecodeSlots.drop`)."""
+        """Drop the per-request caches: a decode slot holds them (`V4DecodeSlots`)."""
         self._layers = None
 
     def snapshot(self):

@@ -335,7 +335,7 @@ class V41State:
             self.slots.unpack(self)
 
     def forget_caches(self) -> None:
-        """The request is done: its slot goes back without its caches (`DecodeSlots.drop`)."""
+        """Drop the list caches: a decode slot holds them (`DecodeSlots`)."""
         self._window = self._sources = None
 
     def snapshot(self) -> dict:

@@ -103,6 +103,8 @@ def test_slot_steps_equal_the_list_caches(model, slots):
         got, got_states = _decode(model, CONTEXTS, steps)
     assert spy.calls == steps * len(model.layers)
     assert all(s.slot is not None for s in got_states) and model.decode_slots.free == 1
+    # the slots hold the caches: the per-request copies are gone (not a second copy of every decoding request's)
+    assert all(getattr(s, "_window", getattr(s, "_layers", 0)) is None for s in got_states)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     for a, b in zip(got_states, want_states):
