@@ -171,9 +171,10 @@ class V4DecodeSlots(SlotPool):
     over n + 1 rows, and its compressed caches ("kv.cache", "idx.cache") as [n + 1, E, d], E = ceil(max_seq_len /
     ratio), entry t at row t."""
 
-    def __init__(self, model, n: int, max_seq_len: int):
+    def __init__(self, model, n: int, max_seq_len: int, device=None):
         super().__init__(n, max_seq_len)
-        template = model.new_state(1).layers
+        template = [{k: t.to(device) for k, t in st.items()} if device is not None else st
+                    for st in model.new_state(1).layers]
         self.ratios = [blk.attn.ratio for blk in model.layers]
         self.layers: list[dict[str, torch.Tensor]] = []
         for st, r in zip(template, self.ratios):

@@ -885,11 +885,14 @@ class DeepseekV4Model(nn.Module):
             out = self._piece(k + 1, {"site": out["site"], "o": o.transpose(0, 1), **common}, True)
         return out
 
-    def enable_decode_slots(self, n: int, max_seq_len: int) -> V4DecodeSlots:
+    def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> V4DecodeSlots:
         """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
-        (decode_slots.py), which lets a CUDA graph hold their attention too."""
-        self.decode_slots = V4DecodeSlots(self, n, max_seq_len)
-        return self.decode_slots
+        (decode_slots.py), which lets a CUDA graph hold their attention too. device="meta": only size them
+        (`nbytes`), nothing is enabled."""
+        slots = V4DecodeSlots(self, n, max_seq_len, device)
+        if device != "meta":
+            self.decode_slots = slots
+        return slots
 
     def release_state(self, state: V4State) -> None:
         """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at

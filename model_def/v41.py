@@ -543,11 +543,14 @@ class DeepseekV41Model(nn.Module):
                                       **common}, join)
         return {"logits": out["logits"], "captures": captures}
 
-    def enable_decode_slots(self, n: int, max_seq_len: int) -> DecodeSlots:
+    def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> DecodeSlots:
         """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
-        (decode_slots.py), which lets a CUDA graph hold their attention too."""
-        self.decode_slots = DecodeSlots(self.args, n, max_seq_len, self.dtype, self.head.weight.device)
-        return self.decode_slots
+        (decode_slots.py), which lets a CUDA graph hold their attention too. device="meta": only size them
+        (`nbytes`), nothing is enabled."""
+        slots = DecodeSlots(self.args, n, max_seq_len, self.dtype, device or self.head.weight.device)
+        if device != "meta":
+            self.decode_slots = slots
+        return slots
 
     def release_state(self, state: V41State) -> None:
         """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at

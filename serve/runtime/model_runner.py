@@ -74,10 +74,7 @@ class ModelRunner:
         whether graphs are on."""
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False
-        if hasattr(self.model, "enable_decode_slots"):
-            slots = self.model.enable_decode_slots(max_batch_size, max_seq_len)
-            log.info("decode slots: %d requests × %d positions, %.2f GiB", max_batch_size, max_seq_len,
-                     slots.nbytes / 2**30)
+        enable_decode_slots(self.model, max_batch_size, max_seq_len, torch.cuda.mem_get_info()[0])
         self.model.cuda_graphs = graphs = DecodeGraphs(self.model, config)
         if warm_up:
             t = time.perf_counter()
@@ -160,6 +157,26 @@ class ModelRunner:
         with torch.no_grad():
             seq.spec.drafter.commit(hidden, torch.tensor([ids + [token]], dtype=torch.long, device=self.device))
         seq.spec.bonus = torch.tensor([token], dtype=torch.long, device=self.device)
+
+
+SLOT_SHARE = 0.5   # the most of the free device memory the decode slots may take (the rest: KV pool, activations)
+
+
+def enable_decode_slots(model, n: int, max_seq_len: int, free_bytes: int) -> bool:
+    """Give `model` n decode slots for positions < max_seq_len when they fit in SLOT_SHARE of free_bytes; else log
+    why not (its decode steps then replay as pieces, the attention eager between them). Returns whether it did."""
+    if not hasattr(model, "enable_decode_slots"):
+        return False
+    need = model.enable_decode_slots(n, max_seq_len, device="meta").nbytes
+    if need > SLOT_SHARE * free_bytes:
+        log.warning("decode slots for %d requests × %d positions need %.1f GiB, more than %d%% of the %.1f GiB "
+                    "free: decode steps replay as pieces, their attention eager between them (lower "
+                    "--max-batch-size or --max-seq-len to get one graph per step)", n, max_seq_len, need / 2**30,
+                    SLOT_SHARE * 100, free_bytes / 2**30)
+        return False
+    model.enable_decode_slots(n, max_seq_len)
+    log.info("decode slots: %d requests × %d positions, %.2f GiB", n, max_seq_len, need / 2**30)
+    return True
 
 
 def run_segments(model, device, work: list[tuple[object, list[int]]],

@@ -4,6 +4,7 @@ backend)."""
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -190,3 +191,20 @@ def test_a_decode_step_in_slots_is_one_graph(model, slots):
 def test_slot_arguments_are_checked(model):
     with pytest.raises(ValueError, match="n >= 1"):
         model.enable_decode_slots(0, 100)
+
+
+def test_slots_that_do_not_fit_are_not_taken(model, caplog):
+    """The runtime sizes the slots first (on the meta device): past half the free memory it logs why and leaves
+    the model without them; else it gives them."""
+    from dsflash.serve.runtime.model_runner import enable_decode_slots
+    need = model.enable_decode_slots(8, 1000, device="meta").nbytes
+    assert model.decode_slots is None and need > 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="dsflash.serve"):
+            assert not enable_decode_slots(model, 8, 1000, free_bytes=2 * need - 1)
+        assert model.decode_slots is None
+        assert any("lower --max-batch-size or --max-seq-len" in r.message for r in caplog.records)
+        assert enable_decode_slots(model, 8, 1000, free_bytes=2 * need)
+        assert model.decode_slots.nbytes == need and model.decode_slots.free == 8
+    finally:
+        model.decode_slots = None
