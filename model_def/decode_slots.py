@@ -200,3 +200,25 @@ class V4DecodeSlots(SlotPool):
             layers.append({key: (t[slot, :state.pos // r] if key.endswith(".cache") else t[slot]).unsqueeze(0).clone()
                            for key, t in d.items()})
         state._layers = layers
+
+
+class SlotModel:
+    """What a model with decode slots offers the runtime (V4.1 and V4 models mix it in; `_new_decode_slots` makes
+    the family's slots)."""
+
+    def _new_decode_slots(self, n: int, max_seq_len: int, device) -> SlotPool:
+        raise NotImplementedError
+
+    def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> SlotPool:
+        """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots, which lets a CUDA
+        graph hold their attention too. device="meta": only size them (`nbytes`), nothing is enabled."""
+        slots = self._new_decode_slots(n, max_seq_len, device)
+        if device != "meta":
+            self.decode_slots = slots
+        return slots
+
+    def release_state(self, state) -> None:
+        """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at the
+        same step of the plan, so that all ranks choose the same paths)."""
+        if state.slot is not None:
+            state.slots.drop(state)

@@ -17,7 +17,7 @@ from torch import nn
 
 from dsflash.model_def import dispatch, ragged
 from dsflash.model_def.config import V4Args
-from dsflash.model_def.decode_slots import V4DecodeSlots
+from dsflash.model_def.decode_slots import SlotModel, V4DecodeSlots
 from dsflash.model_def.layers import (ColumnParallelLinear, Comm, Expert, Linear, LocalComm, Numerics, RMSNorm,
                                       RowParallelLinear, apply_rope, hc_collapse, hc_expand, hc_mix, rms_norm,
                                       norm_pair, rope_table, sink_attention, sqrtsoftplus, stacked_or_each, tp_of,
@@ -788,7 +788,7 @@ class MTPBlock(Block):
         return head(x).float(), X
 
 
-class DeepseekV4Model(nn.Module):
+class DeepseekV4Model(SlotModel, nn.Module):
     """DeepSeek-V4-Flash with MTP; parameter names are the HF checkpoint keys (`tensor_table`)."""
 
     def __init__(self, args: V4Args, numerics: Numerics, mapping: Mapping | None = None, comm: Comm | None = None,
@@ -885,20 +885,8 @@ class DeepseekV4Model(nn.Module):
             out = self._piece(k + 1, {"site": out["site"], "o": o.transpose(0, 1), **common}, True)
         return out
 
-    def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> V4DecodeSlots:
-        """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
-        (decode_slots.py), which lets a CUDA graph hold their attention too. device="meta": only size them
-        (`nbytes`), nothing is enabled."""
-        slots = V4DecodeSlots(self, n, max_seq_len, device)
-        if device != "meta":
-            self.decode_slots = slots
-        return slots
-
-    def release_state(self, state: V4State) -> None:
-        """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at
-        the same step of the plan, so that all ranks choose the same paths)."""
-        if state.slot is not None:
-            state.slots.drop(state)
+    def _new_decode_slots(self, n: int, max_seq_len: int, device) -> V4DecodeSlots:
+        return V4DecodeSlots(self, n, max_seq_len, device)
 
     def _piece(self, k: int, inputs: dict, head: bool) -> dict:
         """Piece k over T rows: k = 0 embeds `ids`; 0 < k ≤ L finishes layer k − 1 (its attention output `o`

@@ -25,7 +25,7 @@ from torch import nn
 
 from dsflash.model_def import dispatch, dspark, engram, ragged
 from dsflash.model_def.csa2 import Attention, DecodeBatch, SourceCache
-from dsflash.model_def.decode_slots import DecodeSlots
+from dsflash.model_def.decode_slots import DecodeSlots, SlotModel
 from dsflash.model_def.layers import (Expert, LocalComm, Numerics, RMSNorm, hc_collapse, hc_expand, hc_mix,
                                       sqrtsoftplus, tp_of, VocabParallelHead, wide, wide_weight)
 from dsflash.model_def.names import TensorEntry
@@ -379,7 +379,7 @@ class DSparkStage(Block):
         dspark.add_stage_heads(self, args, stage_id, numerics, dtype)
 
 
-class DeepseekV41Model(nn.Module):
+class DeepseekV41Model(SlotModel, nn.Module):
     """DeepSeek-V4.1-Flash text model with its DSpark drafter; parameters named as `tensor_table(args)`."""
 
     def __init__(self, args, numerics: Numerics | None = None, mapping=None, comm=None, dtype=torch.float32):
@@ -543,20 +543,8 @@ class DeepseekV41Model(nn.Module):
                                       **common}, join)
         return {"logits": out["logits"], "captures": captures}
 
-    def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> DecodeSlots:
-        """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots
-        (decode_slots.py), which lets a CUDA graph hold their attention too. device="meta": only size them
-        (`nbytes`), nothing is enabled."""
-        slots = DecodeSlots(self.args, n, max_seq_len, self.dtype, device or self.head.weight.device)
-        if device != "meta":
-            self.decode_slots = slots
-        return slots
-
-    def release_state(self, state: V41State) -> None:
-        """A finished request's state: its decode slot, if it holds one, is free from now on (on every rank at
-        the same step of the plan, so that all ranks choose the same paths)."""
-        if state.slot is not None:
-            state.slots.drop(state)
+    def _new_decode_slots(self, n: int, max_seq_len: int, device) -> DecodeSlots:
+        return DecodeSlots(self.args, n, max_seq_len, self.dtype, device or self.head.weight.device)
 
     def _engram_rows(self, chunks: list[Chunk], together: list[int], layer: int) -> list[torch.Tensor]:
         """Each chunk's Engram row ids [B_i, S_i, K]; the chunks `together` (single text tokens) in one hashing."""
