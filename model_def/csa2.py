@@ -389,7 +389,7 @@ class Attention(nn.Module):
         new entry (a ratio-2 group's, computed every step from the open group; it becomes visible once the group
         completes, and is rewritten until then), and an index source's partial scores over every entry row
         [N, 1, E] (rows a query may not read are masked in `_select`)."""
-        q, kv, comp, iq = members
+        _, kv, comp, iq = members
         ring = slots.window[self.layer]
         ring[slot_ids, pos[:, 0] % self.window] = kv[:, 0].to(ring.dtype)
         if not self.ratio:
