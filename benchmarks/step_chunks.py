@@ -267,9 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             with _Without(model):
                 rows[-1]["fused_ms_without_host_fixes"] = round(time_steps(model, n, a.context, a.steps, True), 2)
         if a.cuda_graph:
-            from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs, StandInBackend
-            backend = None if torch.device(model.head.weight.device).type == "cuda" else StandInBackend()
-            model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
+            from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
+            model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend_for(model))
             try:
                 rows[-1]["graph_ms"] = round(time_steps(model, n, a.context, a.steps, True), 2)
                 rows[-1] |= graph_parity(model, n, a.context, 4) | {"graph_counts": model.cuda_graphs.counts,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -44,26 +45,28 @@ class SlotSource:
         return self.index_k.shape[1]
 
 
-class SlotPool:
-    """n slots and a scratch slot; which state holds which (the families' caches: `DecodeSlots`, `V4DecodeSlots`)."""
+class SlotPool(ABC):
+    """n slots and a scratch slot on `device`; which state holds which (the families' caches: `DecodeSlots`,
+    `V4DecodeSlots`)."""
 
-    def __init__(self, n: int, max_seq_len: int):
+    def __init__(self, n: int, max_seq_len: int, device):
         if n < 1 or max_seq_len < 1:
             raise ValueError(f"decode slots need n >= 1 and max_seq_len >= 1, got n={n}, max_seq_len={max_seq_len}")
-        self.n, self.max_seq_len, self.scratch = n, max_seq_len, n
+        self.n, self.max_seq_len, self.scratch, self.device = n, max_seq_len, n, torch.device(device)
         self._free = list(range(n - 1, -1, -1))      # pop() hands out slot 0 first
         self._finalizers: dict[int, weakref.finalize] = {}
 
+    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Every tensor the slots hold."""
 
+    @abstractmethod
     def pack(self, state, slot: int) -> None:
         """Copy a batch-1 state's list caches into `slot`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def unpack_into(self, state, slot: int) -> None:
         """Give `state` its caches back as lists, read from `slot`."""
-        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
@@ -91,19 +94,16 @@ class SlotPool:
 
     def slot_tensor(self, states: list) -> torch.Tensor:
         """[N] long slot indices of `states` (every one `fits`)."""
-        return torch.tensor([self.slot_of(s) for s in states], dtype=torch.long, device=self.tensors()[0].device)
+        return torch.tensor([self.slot_of(s) for s in states], dtype=torch.long, device=self.device)
 
     def unpack(self, state) -> None:
         """Move `state`'s caches back into lists (the form every other path reads) and free its slot."""
-        slot = state.slot
-        self.unpack_into(state, slot)
-        state.slot, state.slots = None, None
-        self._finalizers.pop(slot).detach()
-        self._release(slot)
+        self.unpack_into(state, state.slot)
+        self.drop(state)
 
     def drop(self, state) -> None:
-        """Free `state`'s slot without moving its caches out: the request is finished (its caches are gone: any
-        later use of them fails)."""
+        """Free `state`'s slot without moving its caches out (a finished request: its caches are gone, any later
+        use of them fails; or `unpack`, which moved them out first)."""
         slot = state.slot
         state.slot, state.slots = None, None
         self._finalizers.pop(slot).detach()
@@ -118,7 +118,7 @@ class DecodeSlots(SlotPool):
     """The decode slots of a V4.1 model (`DeepseekV41Model.enable_decode_slots`) for positions < max_seq_len."""
 
     def __init__(self, args, n: int, max_seq_len: int, dtype: torch.dtype, device):
-        super().__init__(n, max_seq_len)
+        super().__init__(n, max_seq_len, device)
         self.window_size = args.sliding_window
         d, di, wide = args.head_dim, args.index_head_dim, wide_dtype(dtype)
         self.window = [torch.zeros(n + 1, self.window_size, d, dtype=dtype, device=device)
@@ -171,10 +171,9 @@ class V4DecodeSlots(SlotPool):
     over n + 1 rows, and its compressed caches ("kv.cache", "idx.cache") as [n + 1, E, d], E = ceil(max_seq_len /
     ratio), entry t at row t."""
 
-    def __init__(self, model, n: int, max_seq_len: int, device=None):
-        super().__init__(n, max_seq_len)
-        template = [{k: t.to(device) for k, t in st.items()} if device is not None else st
-                    for st in model.new_state(1).layers]
+    def __init__(self, model, n: int, max_seq_len: int, device):
+        super().__init__(n, max_seq_len, device)
+        template = [{k: t.to(device) for k, t in st.items()} for st in model.new_state(1).layers]
         self.ratios = [blk.attn.ratio for blk in model.layers]
         self.layers: list[dict[str, torch.Tensor]] = []
         for st, r in zip(template, self.ratios):
@@ -202,12 +201,12 @@ class V4DecodeSlots(SlotPool):
         state._layers = layers
 
 
-class SlotModel:
-    """What a model with decode slots offers the runtime (V4.1 and V4 models mix it in; `_new_decode_slots` makes
-    the family's slots)."""
+class SlotModel(ABC):
+    """What a model with decode slots offers the runtime (V4.1 and V4 models mix it in)."""
 
+    @abstractmethod
     def _new_decode_slots(self, n: int, max_seq_len: int, device) -> SlotPool:
-        raise NotImplementedError
+        """The family's slots on `device` (None: the model's)."""
 
     def enable_decode_slots(self, n: int, max_seq_len: int, device=None) -> SlotPool:
         """Decode steps of up to n requests at positions < max_seq_len read and write fixed slots, which lets a CUDA

@@ -250,15 +250,8 @@ class Compressor(nn.Module):
             st[key + ".prev_kv"], st[key + ".prev_sc"] = kv[:, -1, :, :d], sc[:, -1, :, :d]
             kv = torch.cat([prev_kv, kv[..., d:]], 2)  # [B,G,2r,d]
             sc = torch.cat([prev_sc, sc[..., d:]], 2)
-        e = (kv * sc.softmax(2)).sum(2)  # [B,G,d]
-        e = rms_norm(e, self.norm.eps, self.norm.weight)
         t = pos0 // r + torch.arange(G, device=kv.device)
-        e = apply_rope(e, (t * r).expand(B, G), inv_freq)
-        if self.numerics.deploy:
-            if self.kind == "index":
-                e = _index_quant(e)
-            else:
-                e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+        e = self._entries(kv, sc, (t * r).expand(B, G), inv_freq)  # [B,G,d]
         st[key + ".cache"] = torch.cat([st[key + ".cache"], e.to(st[key + ".cache"].dtype)], 1)
         return st[key + ".cache"]
 
@@ -289,19 +282,23 @@ class Compressor(nn.Module):
                     sts[k][key + ".prev_kv"], sts[k][key + ".prev_sc"] = kv[j:j + 1, -1, :, :d], sc[j:j + 1, -1, :, :d]
                 kv = torch.cat([prev_kv, kv[..., d:]], 2)                               # [Nd,1,2r,d]
                 sc = torch.cat([prev_sc, sc[..., d:]], 2)
-            e = (kv * sc.softmax(2)).sum(2)                                             # [Nd,1,d]
-            e = rms_norm(e, self.norm.eps, self.norm.weight)
-            e = apply_rope(e, pos[done_rows].unsqueeze(1) // r * r, inv_freq)
-            if self.numerics.deploy:
-                if self.kind == "index":
-                    e = _index_quant(e)
-                else:
-                    e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+            e = self._entries(kv, sc, pos[done_rows].unsqueeze(1) // r * r, inv_freq)            # [Nd,1,d]
             for j, k in enumerate(done):
                 cache = sts[k][key + ".cache"]
                 sts[k][key + ".cache"] = torch.cat([cache, e[j:j + 1].to(cache.dtype)], 1)
         return [st[key + ".cache"] for st in sts]
 
+
+    def _entries(self, kv: torch.Tensor, sc: torch.Tensor, epos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Complete groups' rows kv, sc [B,G,rows,d] -> their entries [B,G,d] at positions epos [B,G]: the per-channel
+        softmax-gated sum, norm, RoPE and (deploy) quantization."""
+        e = rms_norm((kv * sc.softmax(2)).sum(2), self.norm.eps, self.norm.weight)
+        e = apply_rope(e, epos, inv_freq)
+        if self.numerics.deploy:
+            if self.kind == "index":
+                return _index_quant(e)
+            return torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+        return e
 
     def pool_slots(self, proj: tuple[torch.Tensor, torch.Tensor], st: dict, key: str, slot_ids: torch.Tensor,
                    pos: torch.Tensor, inv_freq: torch.Tensor) -> None:
@@ -324,14 +321,7 @@ class Compressor(nn.Module):
             prev_sc[slot_ids] = torch.where(done, sc[:, 0, :, :d], old_sc[:, 0])
             kv = torch.cat([old_kv, kv[..., d:]], 2)                                      # [N,1,2r,d]
             sc = torch.cat([old_sc, sc[..., d:]], 2)
-        e = (kv * sc.softmax(2)).sum(2)                                                   # [N,1,d]
-        e = rms_norm(e, self.norm.eps, self.norm.weight)
-        e = apply_rope(e, (pos // r * r).unsqueeze(1), inv_freq)
-        if self.numerics.deploy:
-            if self.kind == "index":
-                e = _index_quant(e)
-            else:
-                e = torch.cat([_fq_fp8(_bf16(e[..., :self.nope]), KV_QUANT_BLOCK), e[..., self.nope:]], -1)
+        e = self._entries(kv, sc, (pos // r * r).unsqueeze(1), inv_freq)                  # [N,1,d]
         cache = st[key + ".cache"]
         cache[slot_ids, pos // r] = e[:, 0].to(cache.dtype)
 
@@ -886,7 +876,7 @@ class DeepseekV4Model(SlotModel, nn.Module):
         return out
 
     def _new_decode_slots(self, n: int, max_seq_len: int, device) -> V4DecodeSlots:
-        return V4DecodeSlots(self, n, max_seq_len, device)
+        return V4DecodeSlots(self, n, max_seq_len, device or self.embed.weight.device)
 
     def _piece(self, k: int, inputs: dict, head: bool) -> dict:
         """Piece k over T rows: k = 0 embeds `ids`; 0 < k ≤ L finishes layer k − 1 (its attention output `o`

@@ -94,6 +94,7 @@ class LLMEngine:
             cfg = {"kv_cache_bytes": kv_cache_bytes, "free_fraction": kv_cache_free_gpu_memory_fraction,
                    "batch_invariant": batch_invariant, "max_batch_size": self.max_batch_size,
                    "max_seq_len": self.max_seq_len,
+                   "decode_slots": getattr(self.runner.model, "decode_slots", None) is not None,
                    "cuda_graph": None if cuda_graph is None else dataclasses.asdict(cuda_graph)}
             capacity = self._control.agree_capacity(cfg, local) if self._control else local
         except Exception as e:

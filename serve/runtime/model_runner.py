@@ -65,16 +65,21 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self._states: dict[str, object] = {}   # request id -> its model state (released with the plan's ids)
 
-    def enable_cuda_graphs(self, config, max_batch_size: int, max_seq_len: int, warm_up: bool = False) -> bool:
+    def enable_cuda_graphs(self, config, max_batch_size: int, max_seq_len: int, warm_up: bool = False,
+                           slots: bool | None = None) -> bool:
         """Decode steps as CUDA graphs (`CudaGraphConfig`, None: off) on a GPU; speculative engines stay eager
         (their verify forwards are not decode steps). The model also gets max_batch_size decode slots for
         positions below max_seq_len (model_def/decode_slots.py), so that its decode steps are one graph each,
-        attention included. `warm_up`: capture the
-        sizes up to max_batch_size now (a single process); else each size is captured on its second step. Returns
-        whether graphs are on."""
+        attention included: when they fit the free memory (`slots` None: rank 0 decides), or as rank 0 decided
+        (`slots`: a worker, so that every rank takes the same paths). `warm_up`: capture the sizes up to
+        max_batch_size now (a single process); else each size is captured on its second step. Returns whether
+        graphs are on."""
         if config is None or self.device == "cpu" or self.spec is not None or not hasattr(self.model, "cuda_graphs"):
             return False
-        enable_decode_slots(self.model, max_batch_size, max_seq_len, torch.cuda.mem_get_info()[0])
+        if slots is None:
+            enable_decode_slots(self.model, max_batch_size, max_seq_len, torch.cuda.mem_get_info()[0])
+        elif slots:
+            self.model.enable_decode_slots(max_batch_size, max_seq_len)
         self.model.cuda_graphs = graphs = DecodeGraphs(self.model, config)
         if warm_up:
             t = time.perf_counter()

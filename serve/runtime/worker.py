@@ -86,7 +86,7 @@ def worker_loop(engine_dir: str) -> int:
         runner = ModelRunner(engine_dir, rank=rank, comm=comm)
         cfg = mpi.bcast(None, root=0)
         runner.enable_cuda_graphs(CudaGraphConfig(**cfg["cuda_graph"]) if cfg["cuda_graph"] else None,
-                                  cfg["max_batch_size"], cfg["max_seq_len"])
+                                  cfg["max_batch_size"], cfg["max_seq_len"], slots=cfg["decode_slots"])
         mpi.allreduce(kv_cache_capacity(cfg["kv_cache_bytes"], cfg["free_fraction"], runner.device), op=MPI.MIN)
         states = {}
         while True:
