@@ -1,16 +1,24 @@
 #!/bin/bash
-# One full-size V4.1 TP8 rank (dummy weights) on one H200: the GPU tests of the decode-slot graphs, then a decode
-# step with the per-request caches (eager), in decode slots (eager) and in decode slots as one CUDA graph, at 1 and
-# 64 requests with the slots sized for max_seq_len 9216 (benchmarks/README.md, session 39). Needs ~600 s and an H200
-# (the rank holds ~70 GiB); dsflash installed (`pip install -e .`). Writes its logs and slots_full.json under $OUT
-# (default out/slots-full).
+# One full-size V4.1 TP8 rank (dummy weights) on one GPU: the GPU tests of the decode-slot graphs (both families),
+# then a decode step with the per-request caches (eager), in decode slots (eager) and in decode slots as one CUDA
+# graph, at 1 and 64 requests with the slots sized for max_seq_len 9216, and the kernels of the graph step
+# (benchmarks/README.md, sessions 39-40). All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB); on an
+# 80 GB card set LAYERS=22 for the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule).
+# dsflash installed (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
 set -u
 OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
 D=${WORK:-/tmp/slots-full}; mkdir -p "$D"
-timeout 150 python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
+OVERRIDE='{}'
+if [ "${LAYERS:-40}" = 22 ]; then
+    OVERRIDE='{"num_hidden_layers": 22, "compress_ratios": [0,0,2,2,2,2,2,2,2,2,2,2,1,1,1,1,1,1,1,1,1,1,0,0,0],
+               "kv_source_layer_ids": [2,12], "index_source_layer_ids": [2,8,12,16,20],
+               "candidate_source_layer_id": 12, "dspark_target_layer_ids": [19,20,21]}'
+fi
+timeout ${TEST_S:-150} python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
 python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s 0 \
-    --max-num-tokens 1024 --max-seq-len 9216 --out "$D/full" > "$OUT/build_full.log" 2>&1
+    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" --out "$D/full" > "$OUT/build_full.log" 2>&1
 timeout $((585 - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
-    --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --json "$OUT/slots_full.json" > "$OUT/slots_full.log" 2>&1
+    --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --json "$OUT/slots_full.json" \
+    > "$OUT/slots_full.log" 2>&1
 grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2; grep "^|" "$OUT/slots_full.log"

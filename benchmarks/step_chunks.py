@@ -6,7 +6,8 @@
 Each request first gets a prompt of --context tokens (its own state), then every timed step feeds each request one
 token: "fused" runs them as one forward (what `dsflash serve` does), "per request" as N forwards (what
 `--batch-invariant` does). The best of three rounds of --steps steps is reported, in ms per step. On a GPU,
---kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time.
+--kernel-time also reports the kernel time and count of a fused step (profiler), against its wall time (with
+--decode-slots, also of a slot step replayed as one graph).
 --host-profile (any device) reports where a fused step's host time goes: the torch ops it calls (count and self
 CPU µs per step) and the Python functions that take the most time of their own (cProfile).
 --decode-slots (V4.1) also times the fused steps with the caches in decode slots, eager and as one graph per step
@@ -88,7 +89,7 @@ def kernel_time(model, n: int, context: int, steps: int) -> dict:
         top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
         count[e.name] = count.get(e.name, 0) + 1
     return {"kernel_ms": round(busy_us / steps / 1e3, 3), "kernels": round(len(kernels) / steps, 1),
-            "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},
+            "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:30]},
             "top_kernels_by_count": {k[:160]: round(v / steps, 1)
                                      for k, v in sorted(count.items(), key=lambda kv: -kv[1])[:25]}}
 
@@ -174,6 +175,8 @@ def slot_rows(model, n: int, a, backend) -> dict:
         eager = _steps_logits(model, n, a.context, 4)
         model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
         row["slot_graph_ms"] = round(time_steps(model, n, a.context, a.steps, True), 2)
+        if a.kernel_time:   # the kernels of the replayed graphs: where one-graph step time goes
+            row["slot_graph_kernels"] = kernel_time(model, n, a.context, a.steps)
         got = _steps_logits(model, n, a.context, 4)
 
         def rels(xs, ys):   # per step ‖Δ‖/‖ref‖
@@ -287,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         print({k: v for k, v in rows[-1].items() if not k.startswith("top_")}, flush=True)
         for name, us in list(rows[-1].get("top_kernels_us", {}).items())[:10]:
             print(f"  kernel: {us} µs {name[:100]}", flush=True)
+        slot_k = rows[-1].get("slot_graph_kernels", {})
+        if slot_k:
+            print(f"  slots + one graph: {slot_k['kernel_ms']} kernel ms, {slot_k['kernels']} kernels per step")
+        for name, us in list(slot_k.get("top_kernels_us", {}).items())[:30]:
+            print(f"  slot graph kernel: {us} µs {name[:100]}", flush=True)
         for name, c in list(rows[-1].get("top_kernels_by_count", {}).items())[:25]:
             print(f"  kernel: {c} per step {name[:100]}", flush=True)
         for key in ("top_torch_ops", "top_python_own_us", "top_ours_cumulative_us"):

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --preset: an engine without rank files whose weights are drawn at load time in the "
                         "engine's formats (vLLM/SGLang --load-format dummy); for performance runs at full size")
     p.add_argument("--seed", type=int, default=0, help="with --dummy-weights: the weights' seed")
+    p.add_argument("--json-model-override-args", default="", metavar="JSON",
+                   help="with --preset: replace config fields (SGLang's flag of this name), e.g. a full-width model "
+                        "with fewer layers: '{\"num_hidden_layers\": 22, \"compress_ratios\": [...], ...}'")
     p.add_argument("--dry-run", action="store_true", help="print the per-rank plan and write nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -74,10 +77,19 @@ def main(argv: list[str] | None = None) -> int:
                           disable_plugins=a.disable_plugin, tune_budget_s=a.tune_budget_s)
         if a.dummy_weights and not a.preset:
             raise ValueError("--dummy-weights goes with --preset family/name (a checkpoint has weights of its own)")
+        if a.json_model_override_args and not a.preset:
+            raise ValueError("--json-model-override-args goes with --preset family/name (a checkpoint's config "
+                             "matches its weights)")
         if a.preset:
-            from dsflash.model_def.config import get_preset
+            from dsflash.model_def.config import get_preset, override_args
             family, _, name = a.preset.partition("/")
             args = get_preset(family, name or "full")
+            if a.json_model_override_args:
+                try:
+                    overrides = json.loads(a.json_model_override_args)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--json-model-override-args: not valid JSON ({e})") from None
+                args = override_args(args, overrides)
             if a.dry_run:
                 dry_run(args, mapping, a.arch, a.json)
                 return 0

@@ -332,6 +332,18 @@ def load_args(src: str | Path | dict, family: str | None = None) -> ModelArgs:
     return args
 
 
+def override_args(args: ModelArgs, overrides: dict, where: str = "--json-model-override-args") -> ModelArgs:
+    """`args` with some config fields replaced (SGLang's --json-model-override-args, vLLM's --hf-overrides), validated
+    as a config.json would be. For shape studies on dummy weights, e.g. a full-width model with fewer layers."""
+    _require(isinstance(overrides, dict), where, f"expected a JSON object of config fields, got {overrides!r}")
+    names = {f.name for f in dataclasses.fields(type(args))} - {"extra"}
+    unknown = sorted(set(overrides) - names)
+    _require(not unknown, where, f"unknown {args.family} config field(s) {unknown}")
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(type(args))}
+    kw.update(copy.deepcopy(overrides))
+    return _build(type(args), {**kw.pop("extra"), **kw}, where)
+
+
 # -- presets -------------------------------------------------------------------------------------------------------
 def _tiny_v41(**kw) -> V41Args:
     base = dict(

@@ -101,6 +101,30 @@ def test_build_flags(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_model_override_args_shape_a_preset_engine(tmp_path, capsys):
+    """--json-model-override-args (SGLang's flag) builds a preset with some config fields replaced, e.g. fewer
+    layers of full width for a one-GPU shape study; the engine records and loads the replaced config, and a field
+    that is unknown or inconsistent is refused naming the flag, writing nothing."""
+    fewer = {"num_hidden_layers": 8, "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 0, 0, 0],
+             "kv_source_layer_ids": [2, 6], "index_source_layer_ids": [2, 6], "candidate_source_layer_id": 6,
+             "dspark_target_layer_ids": [5, 6, 7], "engram_layer_ids": [1, 4]}
+    eng = _build(tmp_path, "fewer", "--preset", "v41/tiny", "--json-model-override-args", json.dumps(fewer))
+    model, _ = load_engine_model(eng)
+    assert len(model.layers) == 8 and [layer.attn.ratio for layer in model.layers] == fewer["compress_ratios"][:8]
+    assert generate_greedy(model, IDS, 2).shape == (1, IDS.shape[1] + 2)
+    for bad, needle in (('{"num_layers": 8}', "unknown v41 config field(s) ['num_layers']"),
+                        ('{"num_hidden_layers": 8}', "field 'compress_ratios' has 13 entries, expected 8 or 11"),
+                        ('{"num_hidden_layers": ', "--json-model-override-args: not valid JSON"),
+                        ("[8]", "expected a JSON object of config fields")):
+        assert build_main(["--preset", "v41/tiny", "--dummy-weights", "--out", str(tmp_path / "bad"),
+                           "--json-model-override-args", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--json-model-override-args" in err and needle in err, err
+    assert build_main(["--ckpt", str(tmp_path), "--out", str(tmp_path / "bad"), "--json-model-override-args", "{}"]) == 2
+    assert "goes with --preset" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_cached_engine_of_another_format_version_is_rebuilt(tmp_path, capsys):
     """`bench --load-format dummy` keeps its engines in a workspace: one written by another dsflash (an older engine
     format) is rebuilt there, not loaded and not refused; a current one is reused as is."""
