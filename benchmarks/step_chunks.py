@@ -177,6 +177,20 @@ def slot_rows(model, n: int, a, backend) -> dict:
         row["slot_graph_ms"] = round(time_steps(model, n, a.context, a.steps, True), 2)
         if a.kernel_time:   # the kernels of the replayed graphs: where one-graph step time goes
             row["slot_graph_kernels"] = kernel_time(model, n, a.context, a.steps)
+        graphs = model.cuda_graphs
+        for flag in a.without_flag:   # A/B in one process: a bound plugin's module flag off (e.g. fused_rope)
+            mods = [m for m in model.modules() if getattr(m, flag, False)]
+            for m in mods:
+                setattr(m, flag, False)
+            try:
+                model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
+                row[f"slot_graph_ms_without_{flag}"] = round(time_steps(model, n, a.context, a.steps, True), 2)
+                if a.kernel_time:
+                    row[f"slot_graph_kernels_without_{flag}"] = kernel_time(model, n, a.context, a.steps)
+            finally:
+                for m in mods:
+                    setattr(m, flag, True)
+                model.cuda_graphs = graphs   # (the graphs captured with the flag off are dropped)
         got = _steps_logits(model, n, a.context, 4)
 
         def rels(xs, ys):   # per step ‖Δ‖/‖ref‖
@@ -253,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-max-seq-len", type=int, default=0,
                    help="the decode slots' max_seq_len (their fixed entry rows, which every slot step reads; default: "
                         "just what the timed steps reach)")
+    p.add_argument("--without-flag", action="append", default=[], metavar="FLAG",
+                   help="with --decode-slots: also time the one-graph slot steps with this plugin flag of the "
+                        "model's modules off (e.g. fused_rope), same process; repeatable")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
@@ -287,12 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1] |= kernel_time(model, n, a.context, min(a.steps, 5))
         if a.host_profile:
             rows[-1] |= host_profile(model, n, a.context, min(a.steps, 5))
-        print({k: v for k, v in rows[-1].items() if not k.startswith("top_")}, flush=True)
+        print({k: v for k, v in rows[-1].items() if not k.startswith(("top_", "slot_graph_kernels"))}, flush=True)
         for name, us in list(rows[-1].get("top_kernels_us", {}).items())[:10]:
             print(f"  kernel: {us} µs {name[:100]}", flush=True)
+        for key in [k for k in rows[-1] if k.startswith("slot_graph_kernels")]:
+            print(f"  {key}: {rows[-1][key]['kernel_ms']} kernel ms, {rows[-1][key]['kernels']} kernels per step")
         slot_k = rows[-1].get("slot_graph_kernels", {})
-        if slot_k:
-            print(f"  slots + one graph: {slot_k['kernel_ms']} kernel ms, {slot_k['kernels']} kernels per step")
         for name, us in list(slot_k.get("top_kernels_us", {}).items())[:30]:
             print(f"  slot graph kernel: {us} µs {name[:100]}", flush=True)
         for name, c in list(rows[-1].get("top_kernels_by_count", {}).items())[:25]:

@@ -14,7 +14,7 @@ import torch
 
 from dsflash.build.gemm_shapes import GROUP32_BLOCK, NOT_LINEAR_SUFFIXES, fits_kernel, gemm_block, stacks
 from dsflash.model_def import dispatch, v4
-from dsflash.model_def.csa2 import Attention
+from dsflash.model_def.csa2 import Attention, Indexer
 from dsflash.model_def.layers import Expert, Linear, RMSNorm
 from dsflash.plugins.refs import expand_weight_scales
 
@@ -113,6 +113,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
             if isinstance(mod, Attention):   # V4.1's window rows (V4 engines keep the reference)
                 mod.fused_kv_quant = True
                 bound["kv_quant"] += 1
+    if plugins.get("rope") == "fused":
+        for mod in model.modules():
+            if isinstance(mod, (Attention, Indexer)):   # V4.1's rotated rows (V4 engines keep the reference)
+                mod.fused_rope = True
+                bound["rope"] += 1
     for op, n in bound.items():
         if n == 0 and plugins[op] != dispatch.REFERENCE:   # said once, never a silent reference
             dispatch.warn_once(f"unbound:{op}", "plugin %s=%s bound no site of this model; it runs the reference",
@@ -318,10 +323,9 @@ def _reference_copy(mod):
         for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin", "wqkv_a_plugin", "qkv_norm_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
-        if getattr(m, "fused_wo_a", False):
-            m.fused_wo_a = False
-        if getattr(m, "fused_kv_quant", False):
-            m.fused_kv_quant = False
+        for flag in ("fused_wo_a", "fused_kv_quant", "fused_rope"):
+            if getattr(m, flag, False):
+                setattr(m, flag, False)
     return ref.float()
 
 

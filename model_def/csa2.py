@@ -21,7 +21,7 @@ from dsflash.model_def import dispatch
 from dsflash.model_def.layers import (ColumnParallelLinear, Linear, LocalComm, Numerics, RMSNorm, RowParallelLinear,
                                       apply_rope, local_slice, norm_pair, rope_table, sink_attention,
                                       stacked_or_each, tp_of, wide, wide_weight)
-from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
+from dsflash.model_def.quant import fake_quant_fp8
 from dsflash.model_def.ragged import DecodeRows, Ragged, all_reduce_each
 
 WINDOW_KV_BLOCK = 32      # FP8 e4m3, pow2 scale per 32 channels, whole 512-d vector incl. RoPE channels
@@ -194,13 +194,15 @@ class Indexer(nn.Module):
                                          dtype=dtype)
         self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads, numerics, mapping, None, dtype=dtype)
         self.owns_k = layer in args.kv_source_layer_ids
+        self.fused_rope = False   # set by an engine loader binding the rope plugin (`dispatch.rope_rows`)
         if self.owns_k:
             self.wk = Linear(args.head_dim, self.head_dim, numerics, None, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Index keys of new entries: FP4(RoPE(k_norm(wk · latent))). latent [B,G,d], positions [B,G]."""
-        return fake_quant_fp4_pow2(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq), INDEX_BLOCK)
+        return dispatch.rope_rows(self.fused_rope, self.k_norm(self.wk(latent)), positions, inv_freq, "fp4_pow2",
+                                  INDEX_BLOCK)
 
     def queries(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +210,7 @@ class Indexer(nn.Module):
         w = weights_proj(x) / sqrt(n_heads) [B,S,h_local] fp32."""
         b, s, _ = x.shape
         q = self.wq_b(q_res).view(b, s, self.n_local, self.head_dim)
-        q = fake_quant_fp4_pow2(apply_rope(q, positions, inv_freq), INDEX_BLOCK)
+        q = dispatch.rope_rows(self.fused_rope, q, positions, inv_freq, "fp4_pow2", INDEX_BLOCK)
         return q, wide(self.weights_proj(x)) * self.n_heads ** -0.5
 
     def partial_scores(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
@@ -265,6 +267,7 @@ class Attention(nn.Module):
                         else None)
         self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
         self.fused_kv_quant = False   # set by an engine loader binding the kv_quant plugin
+        self.fused_rope = False       # set by an engine loader binding the rope plugin (`dispatch.rope_rows`)
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
         self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
 
@@ -275,13 +278,15 @@ class Attention(nn.Module):
         qa, kva = stacked_or_each(self.wqkv_a_plugin, x, (self.wq_a, self.wkv))
         q_res, kvn = norm_pair(self.qkv_norm_plugin, (self.q_norm, self.kv_norm), (qa, kva))
         q = self.wq_b(q_res).view(*x.shape[:2], self.n_local, self.head_dim)
-        return q_res, apply_rope(q, positions, inv), self._window_rows(kvn, positions, inv)
+        return q_res, dispatch.rope_rows(self.fused_rope, q, positions, inv), self._window_rows(kvn, positions, inv)
 
     def window_kv(self, x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """K = V rows: FP8(RoPE(kv_norm(wkv · x))). x [B,S,D], positions [B,S] -> [B,S,head_dim]."""
         return self._window_rows(self.kv_norm(self.wkv(x)), positions, inv)
 
     def _window_rows(self, kvn, positions, inv):
+        if self.fused_rope:   # rotation and quantization in one launch
+            return dispatch.rope_rows(True, kvn, positions, inv, "fp8", WINDOW_KV_BLOCK)
         rows = apply_rope(kvn, positions, inv)
         if self.fused_kv_quant:   # one launch for the ~20 ops of the quantize-dequantize below
             return dispatch.ops().act_quant_dequant(rows, None, 0.0, WINDOW_KV_BLOCK)
@@ -436,7 +441,7 @@ class Attention(nn.Module):
         epos = (entry * r).unsqueeze(1)                                                 # [N, 1]
         inv = layer_inv_freq(self.args, self.layer, latent.device)
         src.index_k[slot_ids, entry] = self.indexer.keys(latent, epos, inv)[:, 0].to(src.index_k.dtype)
-        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        rot = dispatch.rope_rows(self.fused_rope, latent, epos, inv, "fp4_e4m3", COMPRESSED_KV_BLOCK)
         src.kv[slot_ids, entry] = rot[:, 0].to(src.kv.dtype)
 
     def _attend_batch(self, batch: "DecodeBatch", q: torch.Tensor, kv: torch.Tensor,
@@ -489,7 +494,7 @@ class Attention(nn.Module):
         epos = ((first + torch.arange(latent.shape[1], device=latent.device)) * self.ratio).expand(batch, -1)
         # the indexer keys are derived from the latent before it is rotated into the main cache
         cache.index_k = torch.cat([cache.index_k, self.indexer.keys(latent, epos, inv).to(cache.index_k.dtype)], 1)
-        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        rot = dispatch.rope_rows(self.fused_rope, latent, epos, inv, "fp4_e4m3", COMPRESSED_KV_BLOCK)
         cache.kv = torch.cat([cache.kv, rot.to(cache.kv.dtype)], 1)
 
     def _compress_batch(self, batch: "DecodeBatch", comps: list, inv: torch.Tensor, dtype: torch.dtype) -> None:
@@ -514,7 +519,7 @@ class Attention(nn.Module):
             latent = self.compressor.norm(pool_groups(kv, gate, r).to(dtype))                      # [Nc,1,d]
         epos = batch.ints([caches[k].count * r for k in done]).unsqueeze(1)                       # [Nc, 1]
         keys = self.indexer.keys(latent, epos, inv)
-        rot = fake_quant_fp4_e4m3scale(apply_rope(latent, epos, inv), COMPRESSED_KV_BLOCK)
+        rot = dispatch.rope_rows(self.fused_rope, latent, epos, inv, "fp4_e4m3", COMPRESSED_KV_BLOCK)
         for j, k in enumerate(done):
             c = caches[k]
             c.index_k = torch.cat([c.index_k, keys[j:j + 1].to(c.index_k.dtype)], 1)

@@ -15,7 +15,9 @@ import logging
 import torch
 from torch import nn
 
+from dsflash.model_def.layers import apply_rope
 from dsflash.model_def.layers import rope_cos_sin as rope_angles
+from dsflash.model_def.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8
 
 log = logging.getLogger("dsflash.dispatch")
 
@@ -33,6 +35,9 @@ PLUGIN_IMPLS = {
     "swiglu": (REFERENCE, "fused"),      # the shared expert's clipped SwiGLU (+ BF16 rounding) in one kernel
     # V4.1's window KV rows (RoPE'd K = V) quantized FP8 1×32 and back in one kernel (`act_quant_dequant`)
     "kv_quant": (REFERENCE, "fused"),
+    # V4.1's RoPE and the quantization of the rotated rows (queries; window rows FP8; index keys and queries FP4;
+    # compressed entries FP4) in one kernel per site (`rope_quant`)
+    "rope": (REFERENCE, "fused"),
     "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
 }
 MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]
@@ -228,6 +233,21 @@ def shared_expert_forked(plugin: MXFP4MoE, shared_expert, x: torch.Tensor) -> Fo
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rd/2] fp32 of positions (flattened to [T]), the angles of `layers.apply_rope`."""
     return tuple(t.reshape(-1, t.shape[-1]).contiguous() for t in rope_angles(positions, inv_freq, torch.float32))
+
+
+_ROPE_QUANTS = {"none": lambda y, block: y, "fp8": fake_quant_fp8, "fp4_pow2": fake_quant_fp4_pow2,
+                "fp4_e4m3": fake_quant_fp4_e4m3scale}
+
+
+def rope_rows(fused: bool, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, quant: str = "none",
+              block: int = 32) -> torch.Tensor:
+    """`layers.apply_rope`, then `quant` of the rotated rows per `block` channels ("fp8": the window K = V rows,
+    "fp4_pow2": index keys and queries, "fp4_e4m3": compressed entries): one `rope_quant` launch where the rope
+    plugin is bound (`fused`), else the model's torch ops (~10 for the rotation, ~20 for a quantization)."""
+    if fused:
+        cos, sin = rope_angles(positions, inv_freq, torch.float32)
+        return ops().rope_quant(x, cos, sin, False, quant, block)
+    return _ROPE_QUANTS[quant](apply_rope(x, positions, inv_freq), block)
 
 
 def wo_a_inverse_rope(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

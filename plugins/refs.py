@@ -387,15 +387,65 @@ def rope_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[t
     return ang.cos().float(), ang.sin().float()
 
 
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2·cos.shape[-1] channels (interleaved pairs) of x [..., d], or of each head of x [..., H, d]
+    when x has one dim more than cos (`layers.apply_rope`); cos / sin [..., rd/2] the positions' shape, broadcast
+    over x's leading dims. fp32 math, each product and sum rounded; returned in x.dtype."""
+    rd = cos.shape[-1] * 2
+    c, s = cos.float(), sin.float()
+    if inverse:
+        s = -s
+    if x.dim() == cos.dim() + 1:
+        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    xf = x.float()
+    r = xf[..., -rd:].reshape(*x.shape[:-1], rd // 2, 2)
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).reshape(*x.shape[:-1], rd)
+    return torch.cat([xf[..., :-rd], rot], -1).to(x.dtype)
+
+
 def inverse_rope_ref(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo the query rotation on the last 2·len(cos) channels (interleaved pairs) of o [T, H, d]; fp32, in o.dtype."""
-    rd = cos.shape[-1] * 2
-    c, s = cos.float().unsqueeze(-2), -sin.float().unsqueeze(-2)       # [T, 1, rd/2]
-    of = o.float()
-    r = of[..., -rd:].reshape(*o.shape[:-1], rd // 2, 2)
-    a, b = r[..., 0], r[..., 1]
-    rot = torch.stack([a * c - b * s, a * s + b * c], -1).reshape(*o.shape[:-1], rd)
-    return torch.cat([of[..., :-rd], rot], -1).to(o.dtype)
+    return rope_ref(o, cos, sin, inverse=True)
+
+
+# -- RoPE + fake quantization of the rotated rows (V4.1 queries, window rows, index keys, compressed entries) --------
+FP4_MAX = 6.0
+FP4_POW2_MIN_AMAX = 6.0 * 2.0 ** -126   # the FP4 pow2 scale stays a normal fp32
+FP4_E4M3_MIN_AMAX = 6.0 * 2.0 ** -9     # the FP4 e4m3 scale stays >= e4m3's smallest subnormal
+ROPE_QUANTS = ("none", "fp8", "fp4_pow2", "fp4_e4m3")
+
+
+def round_e2m1_ref(x: torch.Tensor) -> torch.Tensor:
+    """Nearest FP4 e2m1 value of fp32 x (ties to the even code), saturating at ±6; +0 for a zero code."""
+    a = x.abs().clamp(max=FP4_MAX)
+    r = torch.where(a < 2, torch.round(a * 2) * 0.5, torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
+    return torch.where((x < 0) & (r > 0), -r, r)
+
+
+def fp4_fake_quant_ref(x: torch.Tensor, block: int, scale: str) -> torch.Tensor:
+    """FP4 e2m1 per `block` channels with a pow2 scale (`scale="pow2"`: index keys / queries) or an e4m3 scale
+    (`"e4m3"`: compressed KV entries), dequantized to x.dtype."""
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    if scale == "pow2":
+        s = pow2_ceil(amax.clamp(min=FP4_POW2_MIN_AMAX) / FP4_MAX)
+    else:
+        s = (amax.clamp(min=FP4_E4M3_MIN_AMAX) / FP4_MAX).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float()
+    return (round_e2m1_ref(xb / s) * s).reshape(x.shape).to(x.dtype)
+
+
+def rope_quant_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+                   quant: str = "none", block: int = 32) -> torch.Tensor:
+    """`rope_ref`, then (quant) FP8 e4m3 with pow2 scales (the window K = V rows), FP4 with pow2 scales (index
+    keys and queries) or FP4 with e4m3 scales (compressed entries) per `block` channels of the whole row."""
+    y = rope_ref(x, cos, sin, inverse)
+    if quant == "fp8":
+        return act_fake_quant_ref(y, block)
+    if quant in ("fp4_pow2", "fp4_e4m3"):
+        return fp4_fake_quant_ref(y, block, quant[4:])
+    assert quant == "none", f"quant {quant!r}: one of {ROPE_QUANTS}"
+    return y
 
 
 def wo_a_ref(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,

@@ -368,8 +368,25 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
+# -- RoPE (+ fake quantization of the rotated rows) ---------------------------------------------------------------------
+@_custom_op("dsflash::rope_quant")
+def rope_quant(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, quant: str = "none",
+               block: int = QBLOCK) -> Tensor:
+    """RoPE on the last 2·cos.shape[-1] channels of x [..., (H,) d] at the positions of cos / sin [..., rd/2], then
+    `quant` ("none", "fp8", "fp4_pow2", "fp4_e4m3") per `block` channels, in x.dtype (`refs.rope_quant_ref`)."""
+    if x.is_cuda:
+        from dsflash.plugins.rope_quant import rope_quant as k
+        return k(x, cos, sin, inverse, quant, block)
+    return refs.rope_quant_ref(x, cos, sin, inverse, quant, block)
+
+
+@rope_quant.register_fake
+def _(x, cos, sin, inverse=False, quant="none", block=QBLOCK):
+    return torch.empty_like(x)
+
+
 OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "rmsnorm_pair", "clipped_swiglu", "act_quant_dequant",
        "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
-       "hc_post_pre_quant", "moe_router", "moe", "wo_a")
+       "hc_post_pre_quant", "moe_router", "moe", "wo_a", "rope_quant")
 assert set(_EAGER) == set(OPS), sorted(set(_EAGER) ^ set(OPS))
 eager_ops = types.SimpleNamespace(**_EAGER)

@@ -39,7 +39,8 @@ def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
-    assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused"
+    assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused" and sm90["rope"] == "fused"
+    assert default_plugins("sm90", family="v4")["rope"] == "reference"   # V4's rotations: not wired
     assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
@@ -143,11 +144,42 @@ def test_window_rows_quantize_in_one_op_exactly_as_the_reference(sm90_engine):
     kvn = (torch.randn(2, 7, attn.head_dim, generator=g) * 3).to(torch.bfloat16)
     pos = torch.arange(7).expand(2, -1) + 5
     inv = layer_inv_freq(model.args, attn.layer, kvn.device)
+    attn.fused_rope = False   # (the rope plugin would take the rotation and the quantization: the test below)
     fused = attn._window_rows(kvn, pos, inv)
     attn.fused_kv_quant = False
     assert torch.equal(fused, attn._window_rows(kvn, pos, inv))
     from dsflash.model_def.layers import apply_rope
     assert not torch.equal(fused, apply_rope(kvn, pos, inv))   # the rows were quantized
+
+
+def test_rotated_rows_go_through_one_op_exactly_as_the_reference(sm90_engine):
+    """rope=fused: every V4.1 attention and indexer rotates (and quantizes) its rows through `rope_quant`: queries,
+    window rows (FP8), index keys and queries (FP4, pow2 scales), compressed entries (FP4, e4m3 scales). The op's
+    reference (its CPU path here; the kernel equals it bit for bit: tests/kernels/test_rope_quant.py) gives the
+    model's own torch ops bit for bit, at exact rounding midpoints too, and so do the logits."""
+    from dsflash.model_def import dispatch
+    from dsflash.model_def.csa2 import Attention, Indexer, layer_inv_freq
+    model, eng = load_engine_model(sm90_engine, check_arch=False, dense_experts=True)
+    sites = [m for m in model.modules() if isinstance(m, (Attention, Indexer))]
+    assert eng.meta["plugins"]["rope"] == "fused" and all(m.fused_rope for m in sites)
+    assert any(isinstance(m, Indexer) for m in sites)
+    g = torch.Generator().manual_seed(8)
+    inv = layer_inv_freq(model.args, 2, torch.device("cpu"))
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 0.0])
+    for shape, pos in (((2, 5, 4, 128), torch.arange(5).expand(2, -1) + 3), ((3, 64), torch.arange(3) * 7),
+                       ((1, 1, 4, 64), torch.tensor([[4099]]))):
+        x = torch.randn(*shape, generator=g) * 4
+        x[..., :9] = mids * torch.where(torch.rand(9, generator=g) < 0.5, -1.0, 1.0)   # ties of the FP4 grid
+        for dtype in (torch.bfloat16, torch.float32):
+            for quant, block in (("none", 0), ("fp8", 32), ("fp4_pow2", 32), ("fp4_e4m3", 16)):
+                got = dispatch.rope_rows(True, x.to(dtype), pos, inv, quant, block)
+                want = dispatch.rope_rows(False, x.to(dtype), pos, inv, quant, block)
+                assert got.dtype == dtype and torch.equal(got, want), (shape, dtype, quant)
+    ids = torch.randint(0, model.args.vocab_size, (1, 9), generator=g)
+    fused = model.logits(ids)
+    for m in sites:
+        m.fused_rope = False
+    assert torch.equal(fused, model.logits(ids))
 
 
 def test_reference_override_binds_nothing(sm90_engine):
