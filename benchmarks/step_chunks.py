@@ -169,6 +169,7 @@ def slot_rows(model, n: int, a, backend) -> dict:
     graph per step, and how the graph steps' logits compare with the list caches' eager steps."""
     from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig, DecodeGraphs
     lists = _steps_logits(model, n, a.context, 4)
+    noise = alone_vs_batched(model, a.context, 4) if n == 1 else None
     model.enable_decode_slots(n, a.slot_max_seq_len or a.context + 4 * a.steps + 16)
     try:
         row = {"slot_ms": round(time_steps(model, n, a.context, a.steps, True), 2)}
@@ -195,6 +196,8 @@ def slot_rows(model, n: int, a, backend) -> dict:
 
         def rels(xs, ys):   # per step ‖Δ‖/‖ref‖
             return [round(float((x - y).norm() / y.norm()), 6) for x, y in zip(xs, ys)]
+        if noise is not None:
+            row["lists_alone_vs_batched_rel_per_step"] = noise
         row |= {"slot_graph_counts": model.cuda_graphs.counts, "slot_graph_disabled": model.cuda_graphs.disabled,
                 "slot_eager_vs_lists_rel_per_step": rels(eager, lists),
                 "slot_graph_vs_slot_eager_rel_per_step": rels(got, eager),
@@ -204,6 +207,24 @@ def slot_rows(model, n: int, a, backend) -> dict:
     finally:
         model.cuda_graphs = model.decode_slots = None
     return row
+
+
+def alone_vs_batched(model, context: int, steps: int) -> list[float]:
+    """The scale of the model's own numerical noise: one request's per-step ‖Δ‖/‖ref‖ between decoding alone and
+    decoding next to a second request (same prompt, same fed tokens; only the batch shapes differ)."""
+    device = model.head.weight.device
+    g = torch.Generator().manual_seed(400)
+    prompt, other = (torch.randint(3, 1000, (1, context), generator=g).to(device) for _ in range(2))
+    alone, pair = model.new_state(1), [model.new_state(1), model.new_state(1)]
+    model.step_chunks([Chunk(prompt, alone)])
+    model.step_chunks([Chunk(prompt, pair[0]), Chunk(other, pair[1])])
+    rels = []
+    for _ in range(steps):
+        tok, tok2 = (torch.randint(3, 1000, (1, 1), generator=g).to(device) for _ in range(2))
+        a = model.step_chunks([Chunk(tok, alone)])[0]
+        b = model.step_chunks([Chunk(tok, pair[0]), Chunk(tok2, pair[1])])[0]
+        rels.append(round(float((b - a).norm() / a.norm()), 6))
+    return rels
 
 
 def _steps_logits(model, n: int, context: int, steps: int) -> list[torch.Tensor]:
