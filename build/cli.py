@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation dtype (default: bfloat16 for GPU arches, float32 for cpu; float64 for exactness "
                         "tests of CPU engines)")
     p.add_argument("--disable-plugin", action="append", default=[], metavar="OP",
-                   help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a, norm); "
-                        "repeatable")
+                   help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a, norm, swiglu, "
+                        "kv_quant, rope); repeatable")
     p.add_argument("--tune-budget-s", type=float, default=600.0,
                    help="time cap of kernel tuning on the GPU (untuned shapes use default configs, logged in serve)")
     p.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
