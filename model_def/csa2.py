@@ -268,6 +268,7 @@ class Attention(nn.Module):
         self.fused_wo_a = False   # set by an engine loader binding the WO-A plugin (needs a BF16 wo_a.weight)
         self.fused_kv_quant = False   # set by an engine loader binding the kv_quant plugin
         self.fused_rope = False       # set by an engine loader binding the rope plugin (`dispatch.rope_rows`)
+        self.fused_attention = False  # set by an engine loader binding the attention plugin (slot decode steps)
         self.wqkv_a_plugin: nn.Module | None = None   # dispatch.FP8Linear over [wq_a; wkv], attached likewise
         self.qkv_norm_plugin: nn.Module | None = None   # dispatch.FusedRMSNormPair (q_norm, kv_norm), likewise
 
@@ -412,6 +413,15 @@ class Attention(nn.Module):
         """The part after the indexer's all-reduce: keys = the window ring in position order (oldest first, rows
         before position 0 masked) and, on compressing layers, the top-k entries of the slot -> o [N, 1, h, d]."""
         q = members[0]
+        if self.fused_attention:   # the whole core in one kernel (the attention plugin)
+            sel = src = None
+            if self.ratio:
+                src = slots.sources[self.kv_source].kv
+                if self.indexer is not None:
+                    selections[self.layer] = self._select(scores, pos, selections)
+                sel = selections[self.index_source][:, 0]
+            return dispatch.ops().slot_attention(q[:, 0], slots.window[self.layer], slot_ids, pos[:, 0], src, sel,
+                                                 self.attn_sink, self.head_dim ** -0.5).unsqueeze(1)
         w = self.window
         kpos = pos - (w - 1) + torch.arange(w, device=pos.device)                      # [N, W]
         keys = slots.window[self.layer][slot_ids.unsqueeze(1), kpos % w].to(members[1].dtype)   # [N, W, d]

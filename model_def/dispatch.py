@@ -38,7 +38,8 @@ PLUGIN_IMPLS = {
     # V4.1's RoPE and the quantization of the rotated rows (queries; window rows FP8; index keys and queries FP4;
     # compressed entries FP4) in one kernel per site (`rope_quant`)
     "rope": (REFERENCE, "fused"),
-    "attention": (REFERENCE,),           # sparse/sink attention kernels: not written yet
+    # V4.1's decode attention over the decode slots (window ring + top-k entries, sink softmax) in one kernel
+    "attention": (REFERENCE, "fused"),
 }
 MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]
 _warned: set[str] = set()

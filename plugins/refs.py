@@ -460,6 +460,37 @@ def wo_a_ref(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Ten
     return z.reshape(t, -1).to(out_dtype)
 
 
+# -- decode attention over the decode slots (V4.1) ---------------------------------------------------------------------
+def sink_attention_ref(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Softmax attention with a per-head sink logit in the denominator only, K = V = kv (`layers.sink_attention`).
+    q [B,S,H,d], kv [B,T,d], allowed [B,S,T] bool, sink [H] -> [B,S,H,d]; fp32 math, q.dtype out."""
+    b, s, h, d = q.shape
+    qf, kf = q.float(), kv.float()
+    logits = torch.bmm(qf.reshape(b, s * h, d), kf.transpose(1, 2)).view(b, s, h, -1) * scale
+    logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    sink_l = sink.float().view(1, 1, -1, 1).expand(b, s, h, 1)
+    p = torch.cat([logits, sink_l], -1).softmax(-1)[..., :-1]
+    return torch.bmm(p.reshape(b, s * h, -1), kf).view(b, s, h, d).to(q.dtype)
+
+
+def slot_attention_ref(q: torch.Tensor, ring: torch.Tensor, slot_ids: torch.Tensor, pos: torch.Tensor,
+                       kv: torch.Tensor | None, sel: torch.Tensor | None, sink: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """A decode token per request attends to its slot's window ring in position order (ring [S, W, d], row p % W
+    holds position p; rows before position 0 masked) and, given kv [S, E + 1, d] (row E zero) and sel [N, k], to the
+    entries sel picked (−1: empty, masked). q [N, H, d], slot_ids / pos [N], sink [H] -> [N, H, d]."""
+    w = ring.shape[1]
+    kpos = pos.view(-1, 1) - (w - 1) + torch.arange(w, device=pos.device)          # [N, W]
+    keys = ring[slot_ids.unsqueeze(1), kpos % w].to(q.dtype)
+    allowed = kpos >= 0
+    if kv is not None:
+        rows = torch.where(sel >= 0, sel, kv.shape[1] - 1)
+        keys = torch.cat([keys, kv[slot_ids.unsqueeze(1), rows].to(q.dtype)], 1)
+        allowed = torch.cat([allowed, sel >= 0], -1)
+    return sink_attention_ref(q.unsqueeze(1), keys, allowed.unsqueeze(1), sink, scale)[:, 0]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (NaN/inf in out -> inf)."""
     o, r = out.double(), ref.double()

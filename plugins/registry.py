@@ -385,8 +385,25 @@ def _(x, cos, sin, inverse=False, quant="none", block=QBLOCK):
     return torch.empty_like(x)
 
 
+# -- decode attention over the decode slots ---------------------------------------------------------------------------
+@_custom_op("dsflash::slot_attention")
+def slot_attention(q: Tensor, ring: Tensor, slot_ids: Tensor, pos: Tensor, kv: Optional[Tensor], sel: Optional[Tensor],
+                   sink: Tensor, scale: float) -> Tensor:
+    """One decode token per request over its slot's window ring and (kv, sel) top-k entries, with a sink logit:
+    q [N, H, d] -> [N, H, d] (`refs.slot_attention_ref`)."""
+    if q.is_cuda:
+        from dsflash.plugins.slot_attention import slot_attention as k
+        return k(q, ring, slot_ids, pos, kv, sel, sink, scale)
+    return refs.slot_attention_ref(q, ring, slot_ids, pos, kv, sel, sink, scale)
+
+
+@slot_attention.register_fake
+def _(q, ring, slot_ids, pos, kv, sel, sink, scale):
+    return torch.empty_like(q)
+
+
 OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "rmsnorm_pair", "clipped_swiglu", "act_quant_dequant",
        "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
-       "hc_post_pre_quant", "moe_router", "moe", "wo_a", "rope_quant")
+       "hc_post_pre_quant", "moe_router", "moe", "wo_a", "rope_quant", "slot_attention")
 assert set(_EAGER) == set(OPS), sorted(set(_EAGER) ^ set(OPS))
 eager_ops = types.SimpleNamespace(**_EAGER)

@@ -40,6 +40,7 @@ def test_gpu_engines_select_plugins_and_bf16():
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
     assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused" and sm90["rope"] == "fused"
+    assert sm90["attention"] == "fused" and default_plugins("sm90", family="v4")["attention"] == "reference"
     assert default_plugins("sm90", family="v4")["rope"] == "reference"   # V4's rotations: not wired
     assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
@@ -180,6 +181,40 @@ def test_rotated_rows_go_through_one_op_exactly_as_the_reference(sm90_engine):
     for m in sites:
         m.fused_rope = False
     assert torch.equal(fused, model.logits(ids))
+
+
+def test_slot_decode_attention_goes_through_one_op_exactly_as_the_reference(sm90_engine, monkeypatch):
+    """attention=fused: a V4.1 decode step in decode slots attends through `slot_attention` on every layer (window
+    ring, top-k entries, sink); its reference (the op's CPU path; the kernel within ~1e-5 of it:
+    tests/kernels/test_slot_attention.py) gives the model's own slot steps bit for bit."""
+    from dsflash.model_def.csa2 import Attention
+    from dsflash.model_def.ragged import Chunk
+    from dsflash.plugins import registry
+    model, eng = load_engine_model(sm90_engine, check_arch=False)
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert eng.meta["plugins"]["attention"] == "fused" and all(m.fused_attention for m in attns)
+    calls = []
+    real = registry.eager_ops.slot_attention
+    monkeypatch.setattr(registry.eager_ops, "slot_attention", lambda *a: calls.append(a[4] is not None) or real(*a))
+
+    def decode(fused: bool) -> list[torch.Tensor]:
+        for m in attns:
+            m.fused_attention = fused
+        model.enable_decode_slots(3, 96)
+        try:
+            g = torch.Generator().manual_seed(9)
+            states = [model.new_state(1) for _ in range(3)]
+            model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s) for n, s in zip((40, 3, 17), states)])
+            return [torch.cat(model.step_chunks([Chunk(torch.randint(3, 900, (1, 1), generator=g), s) for s in states]))
+                    for _ in range(6)]
+        finally:
+            model.decode_slots = None
+    want = decode(False)
+    assert not calls
+    got = decode(True)
+    n_main = model.args.n_layers
+    assert len(calls) == 6 * n_main and any(calls) and not all(calls)   # ratio-0 layers pass no entries
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_reference_override_binds_nothing(sm90_engine):
