@@ -179,18 +179,18 @@ def slot_rows(model, n: int, a, backend) -> dict:
         if a.kernel_time:   # the kernels of the replayed graphs: where one-graph step time goes
             row["slot_graph_kernels"] = kernel_time(model, n, a.context, a.steps)
         graphs = model.cuda_graphs
-        for flag in a.without_flag:   # A/B in one process: a bound plugin's module flag off (e.g. fused_rope)
-            mods = [m for m in model.modules() if getattr(m, flag, False)]
-            for m in mods:
-                setattr(m, flag, False)
+        for flag in a.without_flag:   # A/B in one process: bound plugins' module flags off (e.g. fused_rope)
+            mods = [(m, f) for f in flag.split(",") for m in model.modules() if getattr(m, f, False)]
+            for m, f in mods:
+                setattr(m, f, False)
             try:
                 model.cuda_graphs = DecodeGraphs(model, CudaGraphConfig([n]), backend)
                 row[f"slot_graph_ms_without_{flag}"] = round(time_steps(model, n, a.context, a.steps, True), 2)
                 if a.kernel_time:
                     row[f"slot_graph_kernels_without_{flag}"] = kernel_time(model, n, a.context, a.steps)
             finally:
-                for m in mods:
-                    setattr(m, flag, True)
+                for m, f in mods:
+                    setattr(m, f, True)
                 model.cuda_graphs = graphs   # (the graphs captured with the flag off are dropped)
         got = _steps_logits(model, n, a.context, 4)
 
@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode slots' max_seq_len (their fixed entry rows, which every slot step reads; default: "
                         "just what the timed steps reach)")
     p.add_argument("--without-flag", action="append", default=[], metavar="FLAG",
-                   help="with --decode-slots: also time the one-graph slot steps with this plugin flag of the "
-                        "model's modules off (e.g. fused_rope), same process; repeatable")
+                   help="with --decode-slots: also time the one-graph slot steps with these plugin flags of the "
+                        "model's modules off (comma list, e.g. fused_rope,fused_attention), same process; repeatable")
     a = p.parse_args(argv)
     t_load = time.perf_counter()
     if a.simulate_rank is None:
