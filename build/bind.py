@@ -123,6 +123,11 @@ def bind_plugins(model, args, plugins: dict, kept: dict[str, dict[str, torch.Ten
             if isinstance(mod, Attention) and mod.act_dtype == torch.bfloat16:
                 mod.fused_attention = True
                 bound["attention"] += 1
+    if plugins.get("index") == "fused":
+        for mod in model.modules():   # V4.1's slot decode steps; the kernel reads BF16 keys (V4: the reference)
+            if isinstance(mod, Attention) and mod.indexer is not None and mod.act_dtype == torch.bfloat16:
+                mod.indexer.fused_scores = True
+                bound["index"] += 1
     for op, n in bound.items():
         if n == 0 and plugins[op] != dispatch.REFERENCE:   # said once, never a silent reference
             dispatch.warn_once(f"unbound:{op}", "plugin %s=%s bound no site of this model; it runs the reference",
@@ -328,7 +333,7 @@ def _reference_copy(mod):
         for attr in ("plugin", "hc_plugin", "act_plugin", "w13_plugin", "wqkv_a_plugin", "qkv_norm_plugin"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
-        for flag in ("fused_wo_a", "fused_kv_quant", "fused_rope", "fused_attention"):
+        for flag in ("fused_wo_a", "fused_kv_quant", "fused_rope", "fused_attention", "fused_scores"):
             if getattr(m, flag, False):
                 setattr(m, flag, False)
     return ref.float()

@@ -195,6 +195,7 @@ class Indexer(nn.Module):
         self.weights_proj = ColumnParallelLinear(args.hidden_size, self.n_heads, numerics, mapping, None, dtype=dtype)
         self.owns_k = layer in args.kv_source_layer_ids
         self.fused_rope = False   # set by an engine loader binding the rope plugin (`dispatch.rope_rows`)
+        self.fused_scores = False   # set by an engine loader binding the index plugin (slot decode steps)
         if self.owns_k:
             self.wk = Linear(args.head_dim, self.head_dim, numerics, None, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
@@ -406,6 +407,9 @@ class Attention(nn.Module):
         if self.indexer is None:
             return None
         q_i, w_i = iq
+        if self.indexer.fused_scores:   # the visible entries only, read in place (the index plugin)
+            return dispatch.ops().slot_index_scores(q_i[:, 0], w_i[:, 0], src.index_k, slot_ids, pos[:, 0],
+                                                    self.ratio, self.indexer.head_dim ** -0.5).unsqueeze(1)
         return self.indexer.partial_scores(q_i, w_i, src.index_k[slot_ids])
 
     def slot_attend(self, members: tuple, slot_ids: torch.Tensor, pos: torch.Tensor, slots,

@@ -40,6 +40,8 @@ PLUGIN_IMPLS = {
     "rope": (REFERENCE, "fused"),
     # V4.1's decode attention over the decode slots (window ring + top-k entries, sink softmax) in one kernel
     "attention": (REFERENCE, "fused"),
+    # V4.1's index scores over the decode slots' visible entries only, read in place (not all E rows gathered)
+    "index": (REFERENCE, "fused"),
 }
 MOE_PLUGINS = PLUGIN_IMPLS["moe"][1:]
 _warned: set[str] = set()

@@ -491,6 +491,18 @@ def slot_attention_ref(q: torch.Tensor, ring: torch.Tensor, slot_ids: torch.Tens
     return sink_attention_ref(q.unsqueeze(1), keys, allowed.unsqueeze(1), sink, scale)[:, 0]
 
 
+def slot_index_scores_ref(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, slot_ids: torch.Tensor,
+                          pos: torch.Tensor, ratio: int, scale: float) -> torch.Tensor:
+    """An index source's partial scores over the decode slots: q [N, H, di] (this rank's index heads), w [N, H]
+    head weights, index_k [S, E, di] -> [N, E] fp32, Σ_h w_h · ReLU(q_h · k_t) · scale for the (pos + 1) // ratio
+    visible entries t of each request's slot, 0 past them (the caller masks those)."""
+    keys = index_k[slot_ids].float()                                                # [N, E, di]
+    logits = torch.einsum("nhd,ntd->nht", q.float(), keys).relu() * scale
+    scores = (logits * w.float().unsqueeze(-1)).sum(1)
+    visible = torch.arange(index_k.shape[1], device=q.device) < ((pos.long() + 1) // ratio).unsqueeze(-1)
+    return torch.where(visible, scores, torch.zeros_like(scores))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (NaN/inf in out -> inf)."""
     o, r = out.double(), ref.double()

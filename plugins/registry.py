@@ -402,8 +402,24 @@ def _(q, ring, slot_ids, pos, kv, sel, sink, scale):
     return torch.empty_like(q)
 
 
+@_custom_op("dsflash::slot_index_scores")
+def slot_index_scores(q: Tensor, w: Tensor, index_k: Tensor, slot_ids: Tensor, pos: Tensor, ratio: int,
+                      scale: float) -> Tensor:
+    """An index source's partial scores [N, E] over the decode slots' visible entries (0 past them):
+    `refs.slot_index_scores_ref`."""
+    if q.is_cuda:
+        from dsflash.plugins.slot_index import slot_index_scores as k
+        return k(q, w, index_k, slot_ids, pos, ratio, scale)
+    return refs.slot_index_scores_ref(q, w, index_k, slot_ids, pos, ratio, scale)
+
+
+@slot_index_scores.register_fake
+def _(q, w, index_k, slot_ids, pos, ratio, scale):
+    return q.new_empty((q.shape[0], index_k.shape[1]), dtype=torch.float32)
+
+
 OPS = ("act_quant", "rmsnorm_act_quant", "rmsnorm", "rmsnorm_pair", "clipped_swiglu", "act_quant_dequant",
        "fp8_gemm", "bf16_cache_gemm", "fp8_linear", "hc_mix", "hc_pre", "hc_pre_quant", "hc_post", "hc_post_pre",
-       "hc_post_pre_quant", "moe_router", "moe", "wo_a", "rope_quant", "slot_attention")
+       "hc_post_pre_quant", "moe_router", "moe", "wo_a", "rope_quant", "slot_attention", "slot_index_scores")
 assert set(_EAGER) == set(OPS), sorted(set(_EAGER) ^ set(OPS))
 eager_ops = types.SimpleNamespace(**_EAGER)

@@ -40,7 +40,9 @@ def test_gpu_engines_select_plugins_and_bf16():
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
     assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused" and sm90["rope"] == "fused"
-    assert sm90["attention"] == "fused" and default_plugins("sm90", family="v4")["attention"] == "reference"
+    assert sm90["attention"] == sm90["index"] == "fused"
+    assert default_plugins("sm90", family="v4")["attention"] == default_plugins("sm90", family="v4")["index"] \
+        == "reference"
     assert default_plugins("sm90", family="v4")["rope"] == "reference"   # V4's rotations: not wired
     assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
@@ -183,23 +185,30 @@ def test_rotated_rows_go_through_one_op_exactly_as_the_reference(sm90_engine):
     assert torch.equal(fused, model.logits(ids))
 
 
-def test_slot_decode_attention_goes_through_one_op_exactly_as_the_reference(sm90_engine, monkeypatch):
-    """attention=fused: a V4.1 decode step in decode slots attends through `slot_attention` on every layer (window
-    ring, top-k entries, sink); its reference (the op's CPU path; the kernel within ~1e-5 of it:
-    tests/kernels/test_slot_attention.py) gives the model's own slot steps bit for bit."""
+def test_slot_decode_attention_goes_through_two_ops_exactly_as_the_reference(sm90_engine, monkeypatch):
+    """attention=fused, index=fused: a V4.1 decode step in decode slots attends through `slot_attention` on every
+    layer (window ring, top-k entries, sink) and scores each index source's visible entries through
+    `slot_index_scores`; their references (the ops' CPU paths; the kernels within ~1e-5 of them:
+    tests/kernels/test_slot_attention.py, test_slot_index.py) give the model's own slot steps bit for bit."""
     from dsflash.model_def.csa2 import Attention
     from dsflash.model_def.ragged import Chunk
     from dsflash.plugins import registry
     model, eng = load_engine_model(sm90_engine, check_arch=False)
     attns = [m for m in model.modules() if isinstance(m, Attention)]
-    assert eng.meta["plugins"]["attention"] == "fused" and all(m.fused_attention for m in attns)
-    calls = []
-    real = registry.eager_ops.slot_attention
-    monkeypatch.setattr(registry.eager_ops, "slot_attention", lambda *a: calls.append(a[4] is not None) or real(*a))
+    indexers = [m.indexer for m in attns if m.indexer is not None]
+    assert eng.meta["plugins"]["attention"] == eng.meta["plugins"]["index"] == "fused"
+    assert all(m.fused_attention for m in attns) and indexers and all(i.fused_scores for i in indexers)
+    calls = {"slot_attention": [], "slot_index_scores": []}
+    for op, seen in calls.items():
+        real = getattr(registry.eager_ops, op)
+        monkeypatch.setattr(registry.eager_ops, op, lambda *a, real=real, seen=seen: seen.append(a[4] is not None)
+                            or real(*a))
 
     def decode(fused: bool) -> list[torch.Tensor]:
         for m in attns:
             m.fused_attention = fused
+        for i in indexers:
+            i.fused_scores = fused
         model.enable_decode_slots(3, 96)
         try:
             g = torch.Generator().manual_seed(9)
@@ -210,10 +219,11 @@ def test_slot_decode_attention_goes_through_one_op_exactly_as_the_reference(sm90
         finally:
             model.decode_slots = None
     want = decode(False)
-    assert not calls
+    assert not any(calls.values())
     got = decode(True)
-    n_main = model.args.n_layers
-    assert len(calls) == 6 * n_main and any(calls) and not all(calls)   # ratio-0 layers pass no entries
+    atts = calls["slot_attention"]
+    assert len(atts) == 6 * model.args.n_layers and any(atts) and not all(atts)   # ratio-0 layers: no entries
+    assert len(calls["slot_index_scores"]) == 6 * len(indexers)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
