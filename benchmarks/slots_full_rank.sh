@@ -20,7 +20,8 @@ if [ "${TEST_S:-150}" != 0 ]; then
     timeout ${TEST_S:-150} python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
 fi
 python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s 0 \
-    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" --out "$D/full" > "$OUT/build_full.log" 2>&1
+    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-} --out "$D/full" \
+    > "$OUT/build_full.log" 2>&1
 timeout $((585 - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
     --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention \
     --without-flag fused_rope,fused_attention \
