@@ -2,7 +2,7 @@
 # One full-size V4.1 TP8 rank (dummy weights) on one GPU: the GPU tests of the decode-slot graphs (both families),
 # then a decode step with the per-request caches (eager), in decode slots (eager) and in decode slots as one CUDA
 # graph, at 1 and 64 requests with the slots sized for max_seq_len 9216; the kernels of the graph step; the graph
-# step with the attention plugin off, and with the rope and attention plugins off (benchmarks/README.md, sessions
+# step with the attention and index plugins off, and with the rope, attention and index plugins off (benchmarks/README.md, sessions
 # 39-40). TEST_S=0 skips the GPU tests. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB); on an 80 GB
 # card set LAYERS=22 for the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule).
 # dsflash installed (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
@@ -23,8 +23,8 @@ python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-
     --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-} --out "$D/full" \
     > "$OUT/build_full.log" 2>&1
 timeout $((585 - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
-    --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention \
-    --without-flag fused_rope,fused_attention \
+    --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention,fused_scores \
+    --without-flag fused_rope,fused_attention,fused_scores \
     --json "$OUT/slots_full.json" \
     > "$OUT/slots_full.log" 2>&1
 grep -E "passed|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -2; grep "^|" "$OUT/slots_full.log"
