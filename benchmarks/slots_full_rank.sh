@@ -2,10 +2,11 @@
 # One full-size V4.1 TP8 rank (dummy weights) on one GPU: the GPU tests of the decode-slot graphs (both families),
 # then a decode step with the per-request caches (eager), in decode slots (eager) and in decode slots as one CUDA
 # graph, at 1 and 64 requests with the slots sized for max_seq_len 9216; the kernels of the graph step; the graph
-# step with the attention and index plugins off, and with the rope, attention and index plugins off (benchmarks/README.md, sessions
-# 39-40). TEST_S=0 skips the GPU tests. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB); on an 80 GB
-# card set LAYERS=22 for the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule).
-# dsflash installed (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
+# step with the attention and index plugins off, and with the rope, attention and index plugins off
+# (benchmarks/README.md, sessions 39-40). TEST_S=0 skips the GPU tests; BUILD_ARGS go to `dsflash build`. All 40
+# layers need ~600 s and an H200 (the rank holds ~70 GiB); on an 80 GB card set LAYERS=22 for the same widths with
+# 22 layers (half ratio-2, half ratio-1, as the full schedule). dsflash installed (`pip install -e .`). Writes its
+# logs and slots_full.json under $OUT (default out/slots-full).
 set -u
 OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
