@@ -12,6 +12,7 @@ OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
 D=${WORK:-/tmp/slots-full}; mkdir -p "$D"
 OVERRIDE='{}'
+OPT_IN="--enable-plugin rope --enable-plugin attention --enable-plugin index"   # the session-40 kernels (opt-in)
 if [ "${LAYERS:-40}" = 22 ]; then
     OVERRIDE='{"num_hidden_layers": 22, "compress_ratios": [0,0,2,2,2,2,2,2,2,2,2,2,1,1,1,1,1,1,1,1,1,1,0,0,0],
                "kv_source_layer_ids": [2,12], "index_source_layer_ids": [2,8,12,16,20],
@@ -21,7 +22,7 @@ if [ "${TEST_S:-150}" != 0 ]; then
     timeout ${TEST_S:-150} python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
 fi
 python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s 0 \
-    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-} --out "$D/full" \
+    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-$OPT_IN} --out "$D/full" \
     > "$OUT/build_full.log" 2>&1
 timeout $((585 - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
     --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention,fused_scores \

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-plugin", action="append", default=[], metavar="OP",
                    help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a, norm, swiglu, "
                         "kv_quant, rope); repeatable")
+    p.add_argument("--enable-plugin", action="append", default=[], metavar="OP",
+                   help="also bind an opt-in plugin in a V4.1 GPU engine (rope, attention, index: kernels not yet "
+                        "proven on a GPU); repeatable")
     p.add_argument("--tune-budget-s", type=float, default=600.0,
                    help="time cap of kernel tuning on the GPU (untuned shapes use default configs, logged in serve)")
     p.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         mapping = Mapping(world_size=a.tp, rank=0, tp_size=a.tp, moe_ep_size=a.moe_ep, moe_tp_size=a.moe_tp)
         cfg = BuildConfig(a.max_batch_size, a.max_num_tokens, a.max_seq_len, a.kv_cache_dtype,
                           a.speculative_algorithm, a.speculative_num_draft_tokens, dtype=a.dtype,
-                          disable_plugins=a.disable_plugin, tune_budget_s=a.tune_budget_s)
+                          disable_plugins=a.disable_plugin, enable_plugins=a.enable_plugin,
+                          tune_budget_s=a.tune_budget_s)
         if a.dummy_weights and not a.preset:
             raise ValueError("--dummy-weights goes with --preset family/name (a checkpoint has weights of its own)")
         if a.json_model_override_args and not a.preset:

@@ -31,6 +31,7 @@ class BuildConfig:
     dtype: str = ""
     # ops that keep the plain-PyTorch reference in a GPU engine (engine.json `plugins`), e.g. ["gemm"]
     disable_plugins: list[str] = field(default_factory=list)
+    enable_plugins: list[str] = field(default_factory=list)   # opt-in plugins (build.engine.OPT_IN_PLUGINS)
     # wall-clock cap of build-time kernel tuning; buckets left untuned fall back visibly in serve
     tune_budget_s: float = 600.0
 
@@ -43,9 +44,10 @@ class BuildConfig:
         if self.dtype not in ("", "float32", "float64", "bfloat16"):
             raise ValueError(f"--dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         from dsflash.model_def.dispatch import PLUGIN_IMPLS
-        for op in self.disable_plugins:
-            if op not in PLUGIN_IMPLS:
-                raise ValueError(f"--disable-plugin {op!r}: not a plugin op; choices: {sorted(PLUGIN_IMPLS)}")
+        for flag, ops in (("--disable-plugin", self.disable_plugins), ("--enable-plugin", self.enable_plugins)):
+            for op in ops:
+                if op not in PLUGIN_IMPLS:
+                    raise ValueError(f"{flag} {op!r}: not a plugin op; choices: {sorted(PLUGIN_IMPLS)}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsflash.build.bind import resolve_plugins, site_parity
-from dsflash.build.engine import default_plugins, load_engine_model, write_engine
+from dsflash.build.engine import OPT_IN_PLUGINS, default_plugins, load_engine_model, write_engine
 from dsflash.build.plan import BuildConfig
 from dsflash.build.tune import FP8_GEMM, MOE
 from dsflash.convert.synth import synthesize
@@ -31,19 +31,23 @@ def hopper_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sm90_engine(hopper_ckpt):
+    """A tiny sm90 engine with every plugin, the opt-in ones too (`--enable-plugin`)."""
     return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
-                        BuildConfig(), progress=False)
+                        BuildConfig(enable_plugins=list(OPT_IN_PLUGINS)), progress=False)
 
 
 def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
-    assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused" and sm90["rope"] == "fused"
-    assert sm90["attention"] == sm90["index"] == "fused"
-    assert default_plugins("sm90", family="v4")["attention"] == default_plugins("sm90", family="v4")["index"] \
-        == "reference"
-    assert default_plugins("sm90", family="v4")["rope"] == "reference"   # V4's rotations: not wired
+    assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused"
+    assert all(sm90[op] == "reference" for op in ("rope", "attention", "index"))   # opt-in until GPU-proven
+    opted = default_plugins("sm90", enabled=OPT_IN_PLUGINS)
+    assert opted["rope"] == opted["attention"] == opted["index"] == "fused"
+    with pytest.raises(ValueError, match="--enable-plugin 'flash': not a plugin op"):
+        BuildConfig(enable_plugins=["flash"])
+    v4_opted = default_plugins("sm90", family="v4", enabled=OPT_IN_PLUGINS)   # V4: not wired
+    assert v4_opted["attention"] == v4_opted["index"] == v4_opted["rope"] == "reference"
     assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
