@@ -368,7 +368,7 @@ def _(o, cos, sin, w):
     return o.new_empty((o.shape[0], w.shape[0]))
 
 
-# -- RoPE (+ fake quantization of the rotated rows) ---------------------------------------------------------------------
+# -- RoPE (+ fake quantization of the rotated rows) -----------------------------------------------------------------
 @_custom_op("dsflash::rope_quant")
 def rope_quant(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, quant: str = "none",
                block: int = QBLOCK) -> Tensor:

@@ -58,12 +58,12 @@ def _fake_quant(v, QUANT: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
     fp8_max, fp4_max = tl.full([], 448.0, tl.float32), tl.full([], 6.0, tl.float32)
     if QUANT == 1:     # FP8 e4m3, pow2 scale
         s = _pow2_ceil(_div(tl.maximum(amax, _FP8_MIN), fp8_max))
-        q = tl.clamp(_div(vb, s[:, :, None]), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        q = tl.minimum(tl.maximum(_div(vb, s[:, :, None]), -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
     elif QUANT == 2:   # FP4 e2m1, pow2 scale
         s = _pow2_ceil(_div(tl.maximum(amax, _FP4_POW2_MIN), fp4_max))
         q = _round_e2m1(_div(vb, s[:, :, None]))
     else:              # FP4 e2m1, e4m3 scale
-        s = tl.clamp(_div(tl.maximum(amax, _FP4_E4M3_MIN), fp4_max), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        s = tl.minimum(_div(tl.maximum(amax, _FP4_E4M3_MIN), fp4_max), 448.0).to(tl.float8e4nv).to(tl.float32)
         q = _round_e2m1(_div(vb, s[:, :, None]))
     return tl.reshape(q * s[:, :, None], (ROWS, HALF, 2))
 

@@ -120,7 +120,8 @@ def test_model_override_args_shape_a_preset_engine(tmp_path, capsys):
                            "--json-model-override-args", bad]) == 2
         err = capsys.readouterr().err
         assert "--json-model-override-args" in err and needle in err, err
-    assert build_main(["--ckpt", str(tmp_path), "--out", str(tmp_path / "bad"), "--json-model-override-args", "{}"]) == 2
+    assert build_main(["--ckpt", str(tmp_path), "--out", str(tmp_path / "bad"),
+                       "--json-model-override-args", "{}"]) == 2
     assert "goes with --preset" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 

@@ -217,7 +217,8 @@ def test_slot_decode_attention_goes_through_two_ops_exactly_as_the_reference(sm9
         try:
             g = torch.Generator().manual_seed(9)
             states = [model.new_state(1) for _ in range(3)]
-            model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s) for n, s in zip((40, 3, 17), states)])
+            model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s)
+                               for n, s in zip((40, 3, 17), states)])
             return [torch.cat(model.step_chunks([Chunk(torch.randint(3, 900, (1, 1), generator=g), s) for s in states]))
                     for _ in range(6)]
         finally:
