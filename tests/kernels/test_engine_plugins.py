@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsflash.build.bind import site_parity
-from dsflash.build.engine import load_engine_model, write_engine
+from dsflash.build.engine import OPT_IN_PLUGINS, load_engine_model, write_engine
 from dsflash.build.plan import BuildConfig
 from dsflash.convert.synth import synthesize
 from dsflash.convert.writer import convert
@@ -145,6 +145,21 @@ def test_trained_engine_gives_the_reference_greedy_tokens(tmp_path):
         assert got[f"r{i}"] == expected[i].tolist(), (i, got[f"r{i}"], expected[i].tolist())
     graphs = served.runner.model.cuda_graphs   # on by default: the decode steps of all 4 requests were replayed
     assert graphs.disabled is None and graphs.counts["replayed"] > 0, graphs.counts
+    # the opt-in kernels of session 40 (RoPE + row quantization, the slot attention core, the slot index scores):
+    # served through decode slots as one graph per step, they give the task's tokens too
+    opted = write_engine(tmp_path / "hop", tmp_path / "eng-opt", Mapping(world_size=1, tp_size=1), "sm90",
+                         BuildConfig(max_num_tokens=64, tune_budget_s=0, enable_plugins=list(OPT_IN_PLUGINS)),
+                         progress=False)
+    served = LLMEngine(str(opted), kv_cache_bytes=1 << 28)
+    assert served.runner.model.decode_slots is not None
+    outs = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        served.add_request(Request(f"r{i}", p.tolist(), SamplingParams(max_tokens=32, ignore_eos=True)))
+    while served.has_work():
+        for o in served.step():
+            outs[o.request_id] += o.new_token_ids
+    for i in range(len(prompts)):
+        assert outs[f"r{i}"] == expected[i].tolist(), (i, outs[f"r{i}"], expected[i].tolist())
 
 
 def test_decode_graphs_replay_the_eager_steps(engine):
@@ -175,6 +190,13 @@ def test_decode_slot_graphs_replay_the_eager_slot_steps(engine):
     eager slot steps give the per-request caches' logits within 1e-2 (other GEMM shapes: every window row, every
     entry row)."""
     _slot_graphs_replay_the_eager_slot_steps(load_engine_model(engine)[0])
+
+
+def test_opt_in_plugins_in_slot_graphs(engine):
+    """The same with the opt-in kernels of session 40 bound (`rope`, `attention`, `index`): the slot steps then attend
+    and score through them, the list steps through the references (within 1e-2 of each other)."""
+    _slot_graphs_replay_the_eager_slot_steps(load_engine_model(engine, plugins=dict.fromkeys(OPT_IN_PLUGINS,
+                                                                                              "fused"))[0])
 
 
 def test_v4_decode_slot_graphs_replay_the_eager_slot_steps(v4_engine):
