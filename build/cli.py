@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tests of CPU engines)")
     p.add_argument("--disable-plugin", action="append", default=[], metavar="OP",
                    help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a, norm, swiglu, "
-                        "kv_quant, rope); repeatable")
+                        "kv_quant); repeatable")
     p.add_argument("--enable-plugin", action="append", default=[], metavar="OP",
                    help="also bind an opt-in plugin in a V4.1 GPU engine (rope, attention, index: kernels not yet "
                         "proven on a GPU); repeatable")

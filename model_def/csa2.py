@@ -417,24 +417,21 @@ class Attention(nn.Module):
         """The part after the indexer's all-reduce: keys = the window ring in position order (oldest first, rows
         before position 0 masked) and, on compressing layers, the top-k entries of the slot -> o [N, 1, h, d]."""
         q = members[0]
+        src = sel = None
+        if self.ratio:
+            src = slots.sources[self.kv_source]
+            if self.indexer is not None:
+                selections[self.layer] = self._select(scores, pos, selections)
+            sel = selections[self.index_source]                                         # [N, 1, k], −1 = empty
         if self.fused_attention:   # the whole core in one kernel (the attention plugin)
-            sel = src = None
-            if self.ratio:
-                src = slots.sources[self.kv_source].kv
-                if self.indexer is not None:
-                    selections[self.layer] = self._select(scores, pos, selections)
-                sel = selections[self.index_source][:, 0]
-            return dispatch.ops().slot_attention(q[:, 0], slots.window[self.layer], slot_ids, pos[:, 0], src, sel,
+            return dispatch.ops().slot_attention(q[:, 0], slots.window[self.layer], slot_ids, pos[:, 0],
+                                                 None if src is None else src.kv, None if sel is None else sel[:, 0],
                                                  self.attn_sink, self.head_dim ** -0.5).unsqueeze(1)
         w = self.window
         kpos = pos - (w - 1) + torch.arange(w, device=pos.device)                      # [N, W]
         keys = slots.window[self.layer][slot_ids.unsqueeze(1), kpos % w].to(members[1].dtype)   # [N, W, d]
         allowed = (kpos >= 0).unsqueeze(1)                                              # [N, 1, W]
         if self.ratio:
-            src = slots.sources[self.kv_source]
-            if self.indexer is not None:
-                selections[self.layer] = self._select(scores, pos, selections)
-            sel = selections[self.index_source]                                         # [N, 1, k], −1 = empty
             rows = torch.where(sel >= 0, sel, src.entries)[:, 0]                         # row E is zero
             keys = torch.cat([keys, src.kv[slot_ids.unsqueeze(1), rows].to(keys.dtype)], 1)
             allowed = torch.cat([allowed, sel >= 0], -1)
