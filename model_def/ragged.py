@@ -111,6 +111,12 @@ class DecodeRows:
             offsets = [0, *itertools.accumulate(self._sizes)]
             self.rows = self.ints([offsets[i] for i in self.members])
 
+    def padded_slot_ids(self, rows: int) -> torch.Tensor:
+        """`slot_ids` [N] padded with the scratch slot up to `rows` (the padded rows of a CUDA-graph batch)."""
+        if rows == len(self.slot_ids):
+            return self.slot_ids
+        return torch.cat([self.slot_ids, self.slot_ids.new_full((rows - len(self.slot_ids),), self.slots.scratch)])
+
     def member_rows(self, prepared: tuple) -> tuple:
         """An attention's `prepare` outputs [1, T, ...] -> the members' rows as [N, 1, ...] (`member_rows`)."""
         return member_rows(prepared if self.rows is None else tree_map(lambda t: t.index_select(1, self.rows), prepared))

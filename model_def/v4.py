@@ -844,8 +844,7 @@ class DeepseekV4Model(SlotModel, nn.Module):
         run = graphs.run if graphs is not None else (lambda k, fn, inputs: fn(inputs))
         if in_slots and decode.rows is None and head:
             # every chunk decodes in a slot: the whole forward is one piece, attention cores included
-            slot_ids = decode.slot_ids if graphs is None else torch.cat(
-                [decode.slot_ids, decode.slot_ids.new_full((graphs.size - n,), slots.scratch)])
+            slot_ids = decode.padded_slot_ids(n if graphs is None else graphs.size)
             out = run("slots", self._slot_forward, {**common, "slot_ids": slot_ids})
         else:
             held = [in_slots and i in decode.index for i in range(len(chunks))]   # (never read as lists)

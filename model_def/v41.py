@@ -475,8 +475,7 @@ class DeepseekV41Model(SlotModel, nn.Module):
         ids = pad(rag.join([c.ids for c in chunks]))
         if batch is not None and batch.slots is not None and batch.rows is None and last_only:
             # every chunk decodes in a slot: the whole forward is one piece, attention cores included
-            slot_ids = batch.slot_ids if graphs is None else torch.cat(
-                [batch.slot_ids, batch.slot_ids.new_full((graphs.size - n,), batch.slots.scratch)])
+            slot_ids = batch.padded_slot_ids(n if graphs is None else graphs.size)
             out = run("slots", lambda i: self._slot_forward(i, join),
                       {"ids": ids, "rows": rows, "slot_ids": slot_ids, **common})
             captures = {t: ragged.first_rows(c, n) for t, c in out["captures"].items()}
