@@ -30,8 +30,9 @@ $(VENV)/.stamp: requirements-cpu.txt requirements-triton.txt pyproject.toml
 demo: $(VENV)/.stamp
 	$(DSFLASH) demo $(ARGS)
 
+# The CPU suite, plus the small kernel cases (`interpret`) run on CPU tensors through Triton's interpreter.
 test: $(VENV)/.stamp
-	$(VENV)/bin/pytest -q tests -m "not gpu" $(ARGS)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests -m "not gpu or interpret" $(ARGS)
 
 test-gpu: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests -m gpu $(if $(SHARD),--shard $(SHARD)) $(ARGS)

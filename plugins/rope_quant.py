@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsflash.plugins.act_quant import _div
+from dsflash.plugins.kernel_device import on_kernel_device
 from dsflash.plugins.refs import FP4_E4M3_MIN_AMAX, FP4_POW2_MIN_AMAX, FP8_MIN_AMAX, ROPE_QUANTS
 from dsflash.plugins.tl_helpers import exp2i
 
@@ -101,7 +102,7 @@ def rope_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """RoPE on the last 2·cos.shape[-1] channels of x (interleaved pairs), then `quant` per `block` channels of the
     whole row (`refs.rope_quant_ref`). x [..., d] or [..., H, d] (bf16 / fp32, d/2 a power of two); cos / sin fp32
     [..., rd/2], the positions' shape (x's dims before d, or before H and d, end in it; leading dims broadcast)."""
-    assert x.is_cuda and cos.is_cuda and sin.is_cuda, "rope_quant runs on CUDA tensors"
+    assert on_kernel_device(x, cos, sin), "rope_quant runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1)"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape, (cos.dtype, sin.dtype)
     assert quant in _QUANT_IDS, f"quant {quant!r}: one of {ROPE_QUANTS}"

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsflash.plugins.kernel_device import on_kernel_device
+
 
 @triton.jit
 def _attend_block(q, k, valid, scale, m, l, acc):
@@ -75,7 +77,7 @@ def slot_attention(q: torch.Tensor, ring: torch.Tensor, slot_ids: torch.Tensor, 
     pos [N] (the token's position, its window row already written); kv [S, E + 1, d] with row E zero and sel [N, k]
     (−1 padded entry ids), or both None on a layer without compressed entries; sink [H] fp32 -> o [N, H, d]
     (`refs.slot_attention_ref`)."""
-    assert q.is_cuda and q.dim() == 3 and q.dtype == torch.bfloat16, (q.dtype, tuple(q.shape))
+    assert on_kernel_device(q, ring, kv) and q.dim() == 3 and q.dtype == torch.bfloat16, (q.dtype, tuple(q.shape))
     n, h, d = q.shape
     assert d & (d - 1) == 0 and d >= 16, f"head dim {d}: a power of two"
     assert ring.dim() == 3 and ring.shape[2] == d and ring.dtype == q.dtype and ring.is_contiguous()

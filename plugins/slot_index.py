@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsflash.plugins.kernel_device import on_kernel_device
+
 
 @triton.jit
 def _slot_index_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, out_ptr, H, E, RATIO, scale,
@@ -38,7 +40,7 @@ def slot_index_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, s
     """q [N, H, di] BF16 (this rank's index heads), w [N, H] fp32 head weights, index_k [S, E, di] (the slots' index
     keys), slot_ids / pos [N] -> [N, E] fp32: Σ_h w_h · ReLU(q_h · k_t) · scale for the (pos + 1) // ratio visible
     entries t, 0 past them (`refs.slot_index_scores_ref`)."""
-    assert q.is_cuda and q.dim() == 3 and q.dtype == torch.bfloat16, (q.dtype, tuple(q.shape))
+    assert on_kernel_device(q, w, index_k) and q.dim() == 3 and q.dtype == torch.bfloat16, (q.dtype, tuple(q.shape))
     n, h, di = q.shape
     assert di & (di - 1) == 0 and di >= 16 and h <= 64, f"index heads {h} of {di}: a power of two"
     assert index_k.dim() == 3 and index_k.shape[2] == di and index_k.dtype == q.dtype and index_k.is_contiguous()

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from dsflash.plugins.kernel_device import on_kernel_device
 from dsflash.plugins.refs import clipped_swiglu_ref  # noqa: F401  (re-exported: name_ref lives beside name)
 
 BLOCK = 1024
@@ -37,7 +38,7 @@ def clipped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tens
     rounded to BF16); limit <= 0: no clipping."""
     assert g.shape == u.shape, (tuple(g.shape), tuple(u.shape))
     assert g.dtype in (torch.bfloat16, torch.float32) and u.dtype == g.dtype, (g.dtype, u.dtype)
-    assert g.is_cuda and u.device == g.device
+    assert on_kernel_device(g, u) and u.device == g.device
     lead, n = g.shape[:-1], g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
     assert g2.stride(-1) == 1 and u2.stride(-1) == 1, "the last dim must be contiguous"

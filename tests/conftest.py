@@ -1,4 +1,5 @@
-"""Shared test setup: fixed seeds, `gpu`-marked tests skipped on machines without CUDA, and `--shard I/N`."""
+"""Shared test setup: fixed seeds, `gpu`-marked tests skipped on machines without CUDA (but for `interpret`-marked
+ones under Triton's interpreter), and `--shard I/N`."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def partial_sums() -> type:
     return _PartialSums
 
 
+@pytest.fixture(scope="module")
+def hopper_ckpt(tmp_path_factory):
+    """A tiny synthetic V4.1 checkpoint converted to the hopper layout."""
+    from dsflash.convert.synth import synthesize
+    from dsflash.convert.writer import convert
+    from dsflash.model_def import get_preset
+    root = tmp_path_factory.mktemp("plug")
+    hf = synthesize(get_preset("v41", "tiny"), root / "hf", seed=5)
+    convert(hf, root / "hop", "hopper", progress=False, log=lambda *a: None)
+    return root / "hop"
+
+
+@pytest.fixture(scope="module")
+def sm90_engine(hopper_ckpt):
+    """A tiny sm90 engine of `hopper_ckpt` with every plugin, the opt-in ones too (`--enable-plugin`)."""
+    from dsflash.build.engine import OPT_IN_PLUGINS, write_engine
+    from dsflash.build.plan import BuildConfig
+    from dsflash.model_def.mapping import Mapping
+    return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
+                        BuildConfig(enable_plugins=list(OPT_IN_PLUGINS)), progress=False)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run only slice I of N (1-based) of the collected tests, dealt round robin in collection "
@@ -72,9 +95,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
+    if _interpreting():
+        # Triton's interpreter runs the `interpret`-marked (small) kernel cases on CPU tensors; the rest need a GPU
+        gpu_items = [item for item in gpu_items if item.get_closest_marker("interpret") is None]
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1 with Triton importable (`make test` runs tests/kernels this way after the CPU suite)."""
+    import importlib.util
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,21 +21,6 @@ from dsflash.model_def import get_preset
 from dsflash.model_def.mapping import Mapping
 
 
-@pytest.fixture(scope="module")
-def hopper_ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plug")
-    hf = synthesize(get_preset("v41", "tiny"), root / "hf", seed=5)
-    convert(hf, root / "hop", "hopper", progress=False, log=lambda *a: None)
-    return root / "hop"
-
-
-@pytest.fixture(scope="module")
-def sm90_engine(hopper_ckpt):
-    """A tiny sm90 engine with every plugin, the opt-in ones too (`--enable-plugin`)."""
-    return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
-                        BuildConfig(enable_plugins=list(OPT_IN_PLUGINS)), progress=False)
-
-
 def test_gpu_engines_select_plugins_and_bf16():
     assert default_plugins("cpu") == {op: "reference" for op in default_plugins("cpu")}
     sm90 = default_plugins("sm90")

@@ -7,7 +7,8 @@ import torch
 from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+INTERPRET = pytest.mark.interpret
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
 
 
 def _x(m: int, k: int, stride_pad: int = 0) -> torch.Tensor:
@@ -21,6 +22,7 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() != b.float()).float().mean())
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 8, 257])
 @pytest.mark.parametrize("k", [96, 1280, 5120])
 @pytest.mark.parametrize("fmt", ["fp32", "e8m0"])
@@ -34,6 +36,7 @@ def test_act_quant_bit_exact(m, k, fmt):
     assert _mismatch(q, qr) == 0.0
 
 
+@INTERPRET
 def test_act_quant_strided_and_3d():
     from dsflash.plugins.act_quant import act_quant, act_quant_dequant
     x = _x(5, 1280, stride_pad=64)
@@ -46,6 +49,7 @@ def test_act_quant_strided_and_3d():
     assert torch.equal(act_quant_dequant(x3), refs.act_fake_quant_ref(x3))
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 8, 257])
 @pytest.mark.parametrize("k", [1280, 5120])
 def test_rmsnorm_act_quant(m, k):
@@ -62,6 +66,7 @@ def test_rmsnorm_act_quant(m, k):
     assert refs.rel_err(dq, refs.act_quant_dequant_ref(x, w, 1e-6)) < 1e-2
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 8, 257])
 @pytest.mark.parametrize("k", [64, 512, 1280, 5120])
 def test_rmsnorm(m, k):
@@ -105,6 +110,7 @@ def test_rmsnorm_pair(m, ka, kb):
         assert torch.equal(ga, want[0]) and torch.equal(gb, want[1])
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 257])
 @pytest.mark.parametrize("k", [96, 352, 1024, 4096])
 @pytest.mark.parametrize("fmt", ["fp32", "e8m0"])

@@ -11,7 +11,7 @@ from dsflash.model_def.layers import LocalComm, Numerics
 from dsflash.model_def.v41 import Block
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
 
 
 class _Chain(torch.nn.Module):

@@ -7,7 +7,8 @@ import torch
 from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
+INTERPRET = pytest.mark.interpret
 
 
 def _angles(positions: torch.Tensor, rd2: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +33,7 @@ CASES = [((1, 1, 8, 512), (1, 1)), ((3, 5, 8, 512), (3, 5)), ((2, 7, 4, 128), (2
          ((3, 9, 512), (1, 9)), ((1, 257, 128), (1, 257)), ((5, 1, 3, 64), (5, 1))]
 
 
+@INTERPRET
 @pytest.mark.parametrize("shape,pshape", CASES)
 @pytest.mark.parametrize("quant,block", [("none", 32), ("fp8", 32), ("fp4_pow2", 32), ("fp4_e4m3", 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

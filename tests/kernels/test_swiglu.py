@@ -7,9 +7,10 @@ import torch
 from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("t", [1, 3, 257])
 @pytest.mark.parametrize("inter", [288, 1000, 2304])
 @pytest.mark.parametrize("limit", [10.0, 0.0])

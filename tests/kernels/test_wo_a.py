@@ -7,7 +7,7 @@ import torch
 from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
 HEAD_D, RD, RANK = 512, 64, 1024
 
 

@@ -1,0 +1,95 @@
+"""Two gaps of Triton's interpreter (TRITON_INTERPRET=1) that the GPU does not have, mended for our parity tests:
+
+- float casts: the interpreter truncates fp32 -> bf16 (and rounds fp8 half-up without carry), where the GPU rounds
+  to nearest even (`cvt.rn`, and `cvt.rn.satfinite` for FP8). Casts between the dtypes torch also has go through
+  torch's round-to-nearest-even here, saturating FP8 as the GPU does;
+- `tl.dot` on BF16 operands: the interpreter multiplies their raw uint16 storage. BF16 operands are widened to fp32
+  first (exact), as a tensor core's products are;
+- libdevice: the interpreter gives its dispatch stubs no body (they return None). The functions our kernels call
+  are given their numpy equivalents (`_LIBDEVICE`; numpy's rint rounds half to even, as __nv_rintf);
+- inline PTX: the interpreter runs none. The one-instruction snippets whose meaning is plain (`_PTX`) are run as
+  their numpy equivalent; a kernel with any other PTX stays GPU-only.
+
+Without these, a correct kernel fails its parity test under the interpreter and a rounding bug could hide. Applied
+once, by tests/kernels/conftest.py, only when the interpreter is on."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.language.extra.cuda import libdevice as cuda_libdevice
+from triton.runtime import interpreter as _interp
+
+_TORCH_FLOATS = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
+                 tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+_SATFINITE = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_INT_OF_WIDTH = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def _convert_float(data: np.ndarray, src_ty, dst_ty, rounding_mode, _orig=_interp._convert_float) -> np.ndarray:
+    src, dst = _TORCH_FLOATS.get(src_ty), _TORCH_FLOATS.get(dst_ty)
+    if src is None or dst is None or rounding_mode == _interp._ir.ROUNDING_MODE.RTZ:
+        return _orig(data, src_ty, dst_ty, rounding_mode)
+    bits = np.ascontiguousarray(data).view(f"int{src_ty.primitive_bitwidth}")
+    x = torch.from_numpy(bits).view(src)
+    if dst in _SATFINITE:
+        x = x.float().clamp(-_SATFINITE[dst], _SATFINITE[dst])
+    out = x.to(dst).view(_INT_OF_WIDTH[dst_ty.primitive_bitwidth]).numpy()
+    return out.view(f"uint{dst_ty.primitive_bitwidth}").reshape(data.shape)
+
+
+def _widen_bf16(h):
+    if h.dtype.scalar != tl.bfloat16:
+        return h
+    return _interp.TensorHandle(_convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc, _orig=_interp.InterpreterBuilder.create_dot):
+    return _orig(self, _widen_bf16(a), _widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+
+# PTX snippet -> its elementwise meaning on the operands' numpy arrays (fp32 ops round to nearest even, as PTX's .rn)
+_PTX = {"mul.rn.f32 $0, $1, $2;": lambda a, b: np.multiply(a, b, dtype=np.float32)}
+
+
+def _create_inline_asm(self, asm, constraints, values, ty, is_pure, pack,
+                       _orig=_interp.InterpreterBuilder.create_inline_asm):
+    fn = _PTX.get(asm)
+    if fn is None:
+        return _orig(self, asm, constraints, values, ty, is_pure, pack)
+    (out_ty,) = ty                                                     # the snippets above have one result
+    return _AsmCall(_interp.TensorHandle(fn(*(v.data for v in values)), out_ty.scalar))
+
+
+class _AsmCall:
+    """What tl.inline_asm_elementwise reads back from the builder: the call's results by index."""
+
+    def __init__(self, *results):
+        self.results = results
+
+    def get_result(self, i: int):
+        return self.results[i]
+
+
+def _elementwise(fn):
+    def run(x, *rest):
+        out = fn(x.handle.data, *(r.handle.data if isinstance(r, tl.tensor) else r for r in rest))
+        return tl.tensor(_interp.TensorHandle(out.astype(x.handle.data.dtype), x.handle.dtype.scalar), x.type)
+    return run
+
+
+# libdevice function -> numpy equivalent on fp32 operands (fast_dividef: the exact quotient, within its 2 ulp)
+_LIBDEVICE = {"rint": np.rint, "exp": np.exp, "log1p": np.log1p, "fast_dividef": np.divide}
+
+
+def apply() -> None:
+    if getattr(_interp, "_dsflash_fixed", False):
+        return
+    _interp._convert_float = _convert_float
+    _interp.InterpreterBuilder.create_dot = _create_dot
+    _interp.InterpreterBuilder.create_inline_asm = _create_inline_asm
+    for name, fn in _LIBDEVICE.items():
+        for module in (libdevice, cuda_libdevice):
+            setattr(module, name, _elementwise(fn))
+    _interp._dsflash_fixed = True

@@ -1,0 +1,83 @@
+"""The opt-in kernels (rope, attention, index) inside a tiny V4.1 sm90 engine, run on the CPU through Triton's
+interpreter. The registry sends CPU tensors to the references, so here the ops' eager entries are pointed at the
+kernels themselves: the engine's own tensors (strided query views, the decode slots with their scratch slot, −1
+top-k picks, open ratio-2 groups) reach the kernels, and the decode steps must come out as with the references.
+Only under TRITON_INTERPRET=1 (`make test`); on a GPU, tests/kernels/test_engine_plugins.py covers the same ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsflash.build.engine import load_engine_model
+from dsflash.plugins import refs
+from dsflash.plugins.kernel_device import interpreting
+
+pytestmark = [pytest.mark.interpret,
+              pytest.mark.skipif(not interpreting() or torch.cuda.is_available(),
+                                 reason="runs the kernels through Triton's interpreter on the CPU (TRITON_INTERPRET=1)")]
+
+KERNELS = {"rope_quant": ("rope_quant", "rope_quant"), "slot_attention": ("slot_attention", "slot_attention"),
+           "slot_index_scores": ("slot_index", "slot_index_scores")}
+
+
+def _use_kernels(monkeypatch, ops, calls: dict[str, list]) -> None:
+    """Point the eager entries of `ops` at their kernels; each call appends the kernel output's ‖Δ‖/‖ref‖ against the
+    reference op on the same inputs."""
+    import importlib
+
+    from dsflash.plugins import registry
+    for op in ops:
+        module, fn = KERNELS[op]
+        kernel, ref = getattr(importlib.import_module(f"dsflash.plugins.{module}"), fn), getattr(registry.eager_ops, op)
+
+        def run(*args, kernel=kernel, ref=ref, op=op):
+            out = kernel(*args)
+            calls[op].append(refs.rel_err(out, ref(*args)))
+            return out
+        monkeypatch.setattr(registry.eager_ops, op, run)
+
+
+def _decode(model, steps: int = 6) -> list[torch.Tensor]:
+    """Three requests (prompts 40, 3 and 17 tokens) prefilled, then `steps` decode steps in decode slots."""
+    from dsflash.model_def.ragged import Chunk
+    model.enable_decode_slots(3, 96)
+    try:
+        g = torch.Generator().manual_seed(9)
+        states = [model.new_state(1) for _ in range(3)]
+        model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s) for n, s in zip((40, 3, 17), states)])
+        return [torch.cat(model.step_chunks([Chunk(torch.randint(3, 900, (1, 1), generator=g), s) for s in states]))
+                for _ in range(steps)]
+    finally:
+        model.decode_slots = None
+
+
+@pytest.fixture(scope="module")
+def model(sm90_engine):
+    model, eng = load_engine_model(sm90_engine, check_arch=False)
+    assert {eng.meta["plugins"][op] for op in ("rope", "attention", "index")} == {"fused"}
+    return model
+
+
+def test_rope_and_index_kernels_give_the_reference_decode_steps(model, monkeypatch):
+    """rope_quant is bit-exact, and the index scores pick the same top-k entries: the decode steps' logits are the
+    references' bit for bit (through both ops' kernels in every prefill and decode step)."""
+    want = _decode(model)
+    calls = {"rope_quant": [], "slot_index_scores": []}
+    _use_kernels(monkeypatch, calls, calls)
+    got = _decode(model)
+    n_idx = sum(1 for m in model.modules() if getattr(m, "indexer", None) is not None)
+    assert len(calls["slot_index_scores"]) == 6 * n_idx and calls["rope_quant"]
+    assert max(calls["rope_quant"]) == 0.0 and max(calls["slot_index_scores"]) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_attention_kernel_in_the_decode_slots(model, monkeypatch):
+    """Each of the slot-attention kernel's calls (every layer, every decode step, the kernel's output driving the
+    next) is within BF16 rounding flips of the reference on the same inputs. (Whole logits are not compared: in this
+    tiny random model a 1e-3 change of the attention outputs moves the logits by 10-70 % through the FP4/FP8
+    fake-quantization steps.)"""
+    calls = {"slot_attention": []}
+    _use_kernels(monkeypatch, calls, calls)
+    _decode(model)
+    errs = calls["slot_attention"]
+    assert len(errs) == 6 * model.args.n_layers and max(errs) <= 1e-3, max(errs)
