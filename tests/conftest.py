@@ -95,19 +95,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    if _interpreting():
+    from dsflash.plugins.kernel_device import interpreting
+    if interpreting():
         # Triton's interpreter runs the `interpret`-marked (small) kernel cases on CPU tensors; the rest need a GPU
         gpu_items = [item for item in gpu_items if item.get_closest_marker("interpret") is None]
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
-
-
-def _interpreting() -> bool:
-    """TRITON_INTERPRET=1 with Triton importable (`make test` runs tests/kernels this way after the CPU suite)."""
-    import importlib.util
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True, scope="session")

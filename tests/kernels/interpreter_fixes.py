@@ -1,4 +1,4 @@
-"""Two gaps of Triton's interpreter (TRITON_INTERPRET=1) that the GPU does not have, mended for our parity tests:
+"""Four gaps of Triton's interpreter (TRITON_INTERPRET=1) that the GPU does not have, mended for our parity tests:
 
 - float casts: the interpreter truncates fp32 -> bf16 (and rounds fp8 half-up without carry), where the GPU rounds
   to nearest even (`cvt.rn`, and `cvt.rn.satfinite` for FP8). Casts between the dtypes torch also has go through
