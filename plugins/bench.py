@@ -1,6 +1,6 @@
 """Kernel benchmark (`make bench-kernels`, GPU): every plugin against its reference path and the measured ceilings.
 
-    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4]
+    python -m dsflash.plugins.bench --out results.json [--sections mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4,slots]
                                     [--ms 1,3,8,64,257,4096]
                                     [--merge]   (replace only the rows of the sections and M run, keep the file's others)
                                     [--gemm-shapes 'wq_b[tp1],...'] [--moe-shapes tp1,tp8,ep8]
@@ -8,7 +8,8 @@
 One table: op, shape, M, time (µs, CUDA-graph replay over rotating input sets so weights come from HBM, not L2),
 GB/s (bytes the op must move), TFLOP/s, % of the measured ceiling (copy bandwidth or matrix rate, whichever bounds
 the op), the reference path's time in the same run and the speedup, and ‖Δ‖/‖ref‖ parity. V4.1-Flash shapes for TP1
-and one TP8 rank; `gemm_v4` / `moe_v4`: the FP8 GEMM and the MoE at V4-Flash shapes with its 1×128 activation
+and one TP8 rank; `slots`: the decode-slot attention kernels (RoPE + quant, attention, index scores) at one TP8
+rank against the torch ops they replace; `gemm_v4` / `moe_v4`: the FP8 GEMM and the MoE at V4-Flash shapes with its 1×128 activation
 groups (rows "v4_..."). The ceilings (device-to-device copy, `torch._scaled_mm` FP8 and BF16 matmul at 8192³) are
 measured in the same run. Also writes the per-shape winners (tile config; FP8 vs BF16-cache) in tuned.json's format.
 """
@@ -64,7 +65,8 @@ GEMM_V4_SHAPES = [
 # op-name prefixes of each section's rows (for --merge)
 SECTION_OPS = {"mhc": ("hc_", "mhc_site", "mhc"), "act": ("act_quant", "rmsnorm_act_quant", "rmsnorm", "act"),
                "gemm": ("fp8_gemm", "bf16_cache_gemm", "scaled_mm", "gemm"), "moe": ("moe",), "wo_a": ("wo_a",),
-               "gemm_v4": ("v4_fp8_gemm", "v4_bf16_cache_gemm", "v4_scaled_mm"), "moe_v4": ("v4_moe",)}
+               "gemm_v4": ("v4_fp8_gemm", "v4_bf16_cache_gemm", "v4_scaled_mm"), "moe_v4": ("v4_moe",),
+               "slots": ("rope_quant", "slot_attention", "slot_index")}
 
 
 def replaced_by_run(row: dict, sections: list[str], ms: list[int], moe_only: set[str] | None = None,
@@ -636,6 +638,72 @@ def bench_wo_a(ceil: dict, ms: list[int]) -> list[dict]:
     return rows
 
 
+# One TP8 rank's decode-slot attention glue (V4.1-Flash): 8 heads of 512 (RoPE on the last 64), window 128, top-512
+# entries, 8 index heads of 128; the slots sized for max_seq_len 9216 (E = 4608 entries at ratio 2, 9216 at ratio 1)
+# and filled to the seed's 8K-in / 1K-out positions
+SLOT_H, SLOT_D, SLOT_RD, SLOT_W, SLOT_TOPK, SLOT_IH, SLOT_ID, SLOT_MAX_SEQ = 8, 512, 64, 128, 512, 8, 128, 9216
+ROPE_SITES = [("q", (SLOT_H, SLOT_D), "none", 32), ("window_kv", (SLOT_D,), "fp8", 32),
+              ("index_q", (SLOT_IH, SLOT_ID), "fp4_pow2", 32), ("entry", (SLOT_D,), "fp4_e4m3", 16)]
+
+
+def bench_slots(ceil: dict, ms: list[int]) -> list[dict]:
+    """The three decode-slot kernels (`rope_quant`, `slot_attention`, `slot_index_scores`) against the model's
+    unfused torch path they replace (`dispatch.rope_rows(False, ..)`, the `*_ref`s), at decode batches M <= 64."""
+    from dsflash.model_def import dispatch
+    from dsflash.plugins import registry  # noqa: F401  (registers the ops rope_rows(True, ..) calls)
+    from dsflash.plugins.slot_attention import slot_attention
+    from dsflash.plugins.slot_index import slot_index_scores
+    rows = []
+    bf = torch.bfloat16
+    inv = 1.0 / (10000.0 ** (torch.arange(0, SLOT_RD, 2, dtype=torch.float64) / SLOT_RD)).float().to(DEV)
+    for m in [m for m in ms if m <= 64]:
+        pos = torch.randint(8192, SLOT_MAX_SEQ, (m,), device=DEV)
+        for site, tail, quant, block in ROPE_SITES:
+            x = (torch.randn(m, 1, *tail, device=DEV) * 2).to(bf)
+            fused, unfused = (lambda f=f: dispatch.rope_rows(f, x, pos.view(m, 1), inv, quant, block)
+                              for f in (True, False))
+            err = refs.rel_err(fused(), unfused())
+            (us, how), (ref_us, _) = graph_time_many([[fused], [unfused]])
+            rows.append(_row("rope_quant", f"{site} {quant} {m}x{'x'.join(map(str, tail))}", m, us, ref_us,
+                             2 * x.numel() * 2, 0, ceil, err, timing=how))
+        slots = m + 1
+        slot_ids = torch.randperm(slots, device=DEV)[:m]
+        for ratio in (2, 1):
+            e = SLOT_MAX_SEQ // ratio
+            shape = f"ratio {ratio} E{e} slots {slots}"
+            try:
+                q = (torch.randn(m, SLOT_H, SLOT_D, device=DEV) * 2).to(bf)
+                ring = torch.randn(slots, SLOT_W, SLOT_D, device=DEV).to(bf)
+                kv = torch.randn(slots, e + 1, SLOT_D, device=DEV).to(bf)
+                kv[:, e] = 0
+                visible = (pos + 1) // ratio
+                sel = (torch.rand(m, SLOT_TOPK, device=DEV) * visible[:, None]).long()
+                sink = torch.randn(SLOT_H, device=DEV)
+                args = (q, ring, slot_ids, pos, kv, sel, sink, SLOT_D ** -0.5)
+                err = refs.rel_err(slot_attention(*args), refs.slot_attention_ref(*args))
+                (us, how), (ref_us, _) = graph_time_many([[lambda: slot_attention(*args)],
+                                                          [lambda: refs.slot_attention_ref(*args)]])
+                nb = m * (SLOT_W + SLOT_TOPK) * SLOT_D * 2 + 2 * q.numel() * 2
+                rows.append(_row("slot_attention", shape, m, us, ref_us, nb, 0, ceil, err, timing=how))
+                del kv, ring
+                qi = (torch.randn(m, SLOT_IH, SLOT_ID, device=DEV) * 2).to(bf)
+                wi = torch.randn(m, SLOT_IH, device=DEV)
+                index_k = torch.randn(slots, e, SLOT_ID, device=DEV).to(bf)
+                iargs = (qi, wi, index_k, slot_ids, pos, ratio, SLOT_ID ** -0.5)
+                err = refs.rel_err(slot_index_scores(*iargs), refs.slot_index_scores_ref(*iargs))
+                (us, how), (ref_us, _) = graph_time_many([[lambda: slot_index_scores(*iargs)],
+                                                          [lambda: refs.slot_index_scores_ref(*iargs)]])
+                nb = int(visible.sum()) * SLOT_ID * 2 + m * e * 4
+                rows.append(_row("slot_index", shape, m, us, ref_us, nb, 2 * int(visible.sum()) * SLOT_IH * SLOT_ID,
+                                 ceil, err, timing=how))
+                del index_k
+            except Exception as ex:
+                rows.append({"op": "slot_attention", "shape": shape, "M": m, "error": f"{type(ex).__name__}: {ex}",
+                             "trace": traceback.format_exc()[-2000:]})
+        torch.cuda.empty_cache()
+    return rows
+
+
 # -- report -----------------------------------------------------------------------------------------------------------
 def targets(rows: list[dict]) -> dict:
     dec, big, site, v4_dec, v4_big = [], [], [], [], []
@@ -686,7 +754,7 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the results JSON here")
-    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4")
+    ap.add_argument("--sections", default="mhc,act,gemm,moe,wo_a,gemm_v4,moe_v4,slots")
     ap.add_argument("--merge", action="store_true",
                     help="merge into the existing --out file: replace only the rows of the sections and token counts "
                          "run now")
@@ -733,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (memcpy {ceil['memcpy_GBps']:.0f}, elementwise "
           f"{ceil['elementwise_GBps']:.0f}), fp8 _scaled_mm {ceil['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s, "
           f"bf16 mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s", flush=True)
-    for sec in ("mhc", "act", "gemm", "moe", "wo_a", "gemm_v4", "moe_v4"):
+    for sec in ("mhc", "act", "gemm", "moe", "wo_a", "gemm_v4", "moe_v4", "slots"):
         if sec not in sections:
             continue
         try:
@@ -747,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"] += bench_moe(ceil, ms, t0 + args.budget_s, MOE_V4, moe_only)
             elif sec == "wo_a":
                 result["rows"] += bench_wo_a(ceil, ms)
+            elif sec == "slots":
+                result["rows"] += bench_slots(ceil, ms)
             elif sec == "gemm_v4":
                 result["rows"] += bench_gemm(ceil, ms, result["tuned"], t0 + args.budget_s, gemm_only, GEMM_V4_SHAPES,
                                              128)
