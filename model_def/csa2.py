@@ -48,16 +48,26 @@ def visible_counts(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return (positions.long() + 1) // ratio
 
 
+def sort_keys(scores: torch.Tensor) -> torch.Tensor:
+    """One distinct int64 per entry that orders as a stable descending sort of scores [..., T] (fp32 or narrower,
+    no NaN) would: the score's bits made order-preserving above, T − 1 − index below. `torch.topk` of these keys
+    picks and orders exactly as that sort, without sorting all T (a GPU topk is not stable on equal values)."""
+    bits = (scores.float() + 0.0).view(torch.int32)       # + 0.0: −0.0 becomes +0.0, equal to it in the sort
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)           # negative floats' magnitude bits reversed
+    t = scores.shape[-1]
+    return (ordered.long() << 32) | (t - 1 - torch.arange(t, device=scores.device))
+
+
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k best scores per row, −1 for empty slots (score −inf, or fewer than k entries).
 
-    Ties go to the lower index (stable sort), so the set never depends on the row's length or layout.
+    Ties go to the lower index (as a stable sort's), so the set never depends on the row's length or layout.
     scores [..., T] -> long [..., k].
     """
     t = scores.shape[-1]
     kk = min(k, t)
-    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    idx = torch.where(vals[..., :kk] > float("-inf"), idx[..., :kk], torch.full_like(idx[..., :kk], -1))
+    idx = torch.topk(sort_keys(scores), kk, dim=-1).indices
+    idx = torch.where(scores.gather(-1, idx) > float("-inf"), idx, torch.full_like(idx, -1))
     if kk < k:
         idx = F.pad(idx, (0, k - kk), value=-1)
     return idx
