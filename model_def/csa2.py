@@ -48,29 +48,16 @@ def visible_counts(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return (positions.long() + 1) // ratio
 
 
-def sort_keys(scores: torch.Tensor) -> torch.Tensor:
-    """One distinct int64 per entry that orders as a stable descending sort of scores [..., T] (fp32 or narrower,
-    no NaN) would: the score's bits made order-preserving in the high word (a negative float's bits, −2³¹ + |x|'s,
-    become −|x|'s, so −0.0 meets +0.0 at 0), T − 1 − index in the low word. `torch.topk` of these keys picks and
-    orders exactly as that sort, without sorting all T (a GPU topk is not stable on equal values). Five launches:
-    the two words are stacked as int32 pairs and read as int64 (little-endian: the low word first)."""
-    bits = scores.float().contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, -(1 << 31) - bits, bits)
-    t = scores.shape[-1]
-    tail = torch.arange(t - 1, -1, -1, dtype=torch.int32, device=scores.device).expand_as(ordered)
-    return torch.stack([tail, ordered], -1).view(torch.int64).squeeze(-1)
-
-
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k best scores per row, −1 for empty slots (score −inf, or fewer than k entries).
 
-    Ties go to the lower index (as a stable sort's), so the set never depends on the row's length or layout.
+    Ties go to the lower index (stable sort), so the set never depends on the row's length or layout.
     scores [..., T] -> long [..., k].
     """
     t = scores.shape[-1]
     kk = min(k, t)
-    idx = torch.topk(sort_keys(scores), kk, dim=-1).indices
-    idx = torch.where(scores.gather(-1, idx) > float("-inf"), idx, -1)
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    idx = torch.where(vals[..., :kk] > float("-inf"), idx[..., :kk], torch.full_like(idx[..., :kk], -1))
     if kk < k:
         idx = F.pad(idx, (0, k - kk), value=-1)
     return idx
