@@ -1,4 +1,4 @@
-"""Four gaps of Triton's interpreter (TRITON_INTERPRET=1) that the GPU does not have, mended for our parity tests:
+"""Five gaps of Triton's interpreter (TRITON_INTERPRET=1) that the GPU does not have, mended for our parity tests:
 
 - float casts: the interpreter truncates fp32 -> bf16 (and rounds fp8 half-up without carry), where the GPU rounds
   to nearest even (`cvt.rn`, and `cvt.rn.satfinite` for FP8). Casts between the dtypes torch also has go through
@@ -7,19 +7,27 @@
   first (exact), as a tensor core's products are;
 - libdevice: the interpreter gives its dispatch stubs no body (they return None). The functions our kernels call
   are given their numpy equivalents (`_LIBDEVICE`; numpy's rint rounds half to even, as __nv_rintf);
-- inline PTX: the interpreter runs none. The one-instruction snippets whose meaning is plain (`_PTX`) are run as
-  their numpy equivalent; a kernel with any other PTX stays GPU-only.
+- inline PTX: the interpreter runs none. Our kernels' snippets run on `ptx_emulator.Emulator` (the subset of PTX
+  they use, bit for bit; an instruction outside it raises);
+- programmatic dependent launch: `gdc_wait` / `gdc_launch_dependents` are builtins the interpreter does not patch
+  (calling one raises); with one program at a time they have nothing to order, and run as no-ops.
 
 Without these, a correct kernel fails its parity test under the interpreter and a rounding bug could hide. Applied
 once, by tests/kernels/conftest.py, only when the interpreter is on."""
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import libdevice as cuda_libdevice
+from triton.language.extra import cuda as tl_cuda
 from triton.runtime import interpreter as _interp
+
+from ptx_emulator import Emulator
 
 _TORCH_FLOATS = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
                  tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
@@ -49,17 +57,16 @@ def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc, _orig=_in
     return _orig(self, _widen_bf16(a), _widen_bf16(b), d, input_precision, max_num_imprecise_acc)
 
 
-# PTX snippet -> its elementwise meaning on the operands' numpy arrays (fp32 ops round to nearest even, as PTX's .rn)
-_PTX = {"mul.rn.f32 $0, $1, $2;": lambda a, b: np.multiply(a, b, dtype=np.float32)}
+@functools.cache
+def _emulator(asm: str, constraints: str) -> Emulator:
+    return Emulator(asm, constraints)
 
 
-def _create_inline_asm(self, asm, constraints, values, ty, is_pure, pack,
-                       _orig=_interp.InterpreterBuilder.create_inline_asm):
-    fn = _PTX.get(asm)
-    if fn is None:
-        return _orig(self, asm, constraints, values, ty, is_pure, pack)
-    (out_ty,) = ty                                                     # the snippets above have one result
-    return _AsmCall(_interp.TensorHandle(fn(*(v.data for v in values)), out_ty.scalar))
+def _create_inline_asm(self, asm, constraints, values, ty, is_pure, pack):
+    assert pack == 1, f"PTX emulator: pack={pack} (only elementwise asm on one element per call)"
+    outs = _emulator(asm, constraints)([v.data for v in values])
+    tys = ty if isinstance(ty, (list, tuple)) else [ty]
+    return _AsmCall(*(_interp.TensorHandle(o, t.scalar) for o, t in zip(outs, tys)))
 
 
 class _AsmCall:
@@ -83,12 +90,28 @@ def _elementwise(fn):
 _LIBDEVICE = {"rint": np.rint, "exp": np.exp, "log1p": np.log1p, "fast_dividef": np.divide}
 
 
+_GDC = ("gdc_wait", "gdc_launch_dependents")
+
+
+def _patch_lang(fn, _orig=_interp._patch_lang):
+    """The interpreter's own patching of a kernel's globals, plus the PDL builtins as no-ops in every dsflash
+    module that imported them (the kernel's helpers may live in another module)."""
+    scope = _orig(fn)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("dsflash.") and module is not None:
+            for g in _GDC:
+                if getattr(module, g, None) is getattr(tl_cuda, g):
+                    scope.set_attr(module, g, lambda *args, **kwargs: None)
+    return scope
+
+
 def apply() -> None:
     if getattr(_interp, "_dsflash_fixed", False):
         return
     _interp._convert_float = _convert_float
     _interp.InterpreterBuilder.create_dot = _create_dot
     _interp.InterpreterBuilder.create_inline_asm = _create_inline_asm
+    _interp._patch_lang = _patch_lang
     for name, fn in _LIBDEVICE.items():
         for module in (libdevice, cuda_libdevice):
             setattr(module, name, _elementwise(fn))
