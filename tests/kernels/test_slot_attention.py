@@ -57,6 +57,25 @@ def test_slot_attention_matches_the_fp32_reference(n, h, d, w, e, k, slots, entr
     assert refs.rel_err(out, refs.slot_attention_ref(*args, scale)) <= 1e-2
 
 
+@INTERPRET
+@pytest.mark.parametrize("n,h,w,k", [(1, 8, 128, 512), (3, 3, 32, 24), (2, 20, 64, 0)])
+def test_slot_attention_splits_agree(n, h, w, k):
+    """One launch (split 1), the default split, and splits beyond the key blocks (programs without a block) give the
+    fp32 reference's result within BF16 rounding; a split whose blocks are all masked (positions before the window
+    fills, empty picks) adds nothing."""
+    from dsflash.plugins.slot_attention import slot_attention
+    g = torch.Generator(device=DEV).manual_seed(n + h + w)
+    q, ring, slot_ids, pos, kv, sel, sink = _case(n, h, 128, w, 40, max(k, 1), n + 2, g, entries=k > 0)
+    pos[:] = torch.arange(n, device=DEV) * 3                          # early positions: most window rows masked
+    scale = 128 ** -0.5
+    want = refs.slot_attention_ref(q.float(), ring.float(), slot_ids, pos, None if kv is None else kv.float(), sel,
+                                   sink, scale)
+    rounding = refs.rel_err(want.to(torch.bfloat16), want)
+    for split in (1, None, 3, 64):
+        out = slot_attention(q, ring, slot_ids, pos, kv, sel, sink, scale, split=split)
+        assert refs.rel_err(out, want) <= rounding * 1.1 + 1e-5, (split, refs.rel_err(out, want), rounding)
+
+
 def test_slot_attention_op_in_a_cuda_graph():
     """The registered op replays in a CUDA graph with new queries, positions and picks (nothing read on the host)."""
     from dsflash.plugins import registry  # noqa: F401 (registers torch.ops.dsflash.*)
