@@ -3,7 +3,8 @@
 # then a decode step with the per-request caches (eager), in decode slots (eager) and in decode slots as one CUDA
 # graph, at 1 and 64 requests with the slots sized for max_seq_len 9216; the kernels of the graph step; the graph
 # step with the attention and index plugins off, and with the rope, attention and index plugins off
-# (benchmarks/README.md, sessions 39-40). TEST_S=0 skips the GPU tests; BUILD_ARGS go to `dsflash build`. All 40
+# (benchmarks/README.md, sessions 39-42). TEST_S=0 skips the GPU tests; BUILD_ARGS go to `dsflash build`; BUDGET_S
+# (default 585) caps the seconds it runs. All 40
 # layers need ~600 s and an H200 (the rank holds ~70 GiB); on an 80 GB card set LAYERS=22 for the same widths with
 # 22 layers (half ratio-2, half ratio-1, as the full schedule). dsflash installed (`pip install -e .`). Writes its
 # logs and slots_full.json under $OUT (default out/slots-full).
@@ -12,7 +13,6 @@ OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
 D=${WORK:-/tmp/slots-full}; mkdir -p "$D"
 OVERRIDE='{}'
-OPT_IN="--enable-plugin rope --enable-plugin attention --enable-plugin index"   # the session-40 kernels (opt-in)
 if [ "${LAYERS:-40}" = 22 ]; then
     OVERRIDE='{"num_hidden_layers": 22, "compress_ratios": [0,0,2,2,2,2,2,2,2,2,2,2,1,1,1,1,1,1,1,1,1,1,0,0,0],
                "kv_source_layer_ids": [2,12], "index_source_layer_ids": [2,8,12,16,20],
@@ -22,9 +22,9 @@ if [ "${TEST_S:-150}" != 0 ]; then
     timeout ${TEST_S:-150} python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
 fi
 python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s 0 \
-    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-$OPT_IN} --out "$D/full" \
+    --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-} --out "$D/full" \
     > "$OUT/build_full.log" 2>&1
-timeout $((585 - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
+timeout $((${BUDGET_S:-585} - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
     --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention,fused_scores \
     --without-flag fused_rope,fused_attention,fused_scores \
     --json "$OUT/slots_full.json" \

@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the plain-PyTorch reference for OP in a GPU engine (gemm, moe, mhc, wo_a, norm, swiglu, "
                         "kv_quant); repeatable")
     p.add_argument("--enable-plugin", action="append", default=[], metavar="OP",
-                   help="also bind an opt-in plugin in a V4.1 GPU engine (rope, attention, index: kernels not yet "
-                        "proven on a GPU); repeatable")
+                   help="also bind an opt-in plugin in a V4.1 GPU engine (build.engine.OPT_IN_PLUGINS: kernels not "
+                        "yet proven on a GPU; none at present); repeatable")
     p.add_argument("--tune-budget-s", type=float, default=600.0,
                    help="time cap of kernel tuning on the GPU (untuned shapes use default configs, logged in serve)")
     p.add_argument("--speculative-algorithm", choices=("dspark", "mtp"), default=None,

@@ -56,12 +56,12 @@ def hopper_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sm90_engine(hopper_ckpt):
-    """A tiny sm90 engine of `hopper_ckpt` with every plugin, the opt-in ones too (`--enable-plugin`)."""
-    from dsflash.build.engine import OPT_IN_PLUGINS, write_engine
+    """A tiny sm90 engine of `hopper_ckpt` with every plugin."""
+    from dsflash.build.engine import write_engine
     from dsflash.build.plan import BuildConfig
     from dsflash.model_def.mapping import Mapping
     return write_engine(hopper_ckpt, hopper_ckpt.parent / "eng", Mapping(world_size=1, tp_size=1), "sm90",
-                        BuildConfig(enable_plugins=list(OPT_IN_PLUGINS)), progress=False)
+                        BuildConfig(), progress=False)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -26,13 +26,12 @@ def test_gpu_engines_select_plugins_and_bf16():
     sm90 = default_plugins("sm90")
     assert sm90["gemm"] == "fp8_gemm" and sm90["moe"] == "mxfp4_overlap" and sm90["mhc"] == "fused_overlap"
     assert sm90["wo_a"] == "fused" and sm90["kv_quant"] == "fused"
-    assert all(sm90[op] == "reference" for op in ("rope", "attention", "index"))   # opt-in until GPU-proven
-    opted = default_plugins("sm90", enabled=OPT_IN_PLUGINS)
-    assert opted["rope"] == opted["attention"] == opted["index"] == "fused"
+    assert sm90["rope"] == sm90["attention"] == sm90["index"] == "fused"   # the decode-slot kernels (session 40)
+    assert OPT_IN_PLUGINS == ()                                            # proven on a GPU in session 42
     with pytest.raises(ValueError, match="--enable-plugin 'flash': not a plugin op"):
         BuildConfig(enable_plugins=["flash"])
-    v4_opted = default_plugins("sm90", family="v4", enabled=OPT_IN_PLUGINS)   # V4: not wired
-    assert v4_opted["attention"] == v4_opted["index"] == v4_opted["rope"] == "reference"
+    v4 = default_plugins("sm90", family="v4")   # V4: not wired
+    assert v4["attention"] == v4["index"] == v4["rope"] == "reference"
     assert default_plugins("sm90", family="v4")["kv_quant"] == "reference"   # V4's window rows: not wired
     assert sm90["norm"] == "fused" and sm90["swiglu"] == "fused"
     assert default_plugins("sm90", ("gemm",))["gemm"] == "reference"
