@@ -93,22 +93,21 @@ def _slot_attention_kernel(q_ptr, ring_ptr, slot_ptr, pos_ptr, kv_ptr, sel_ptr, 
 
 @triton.jit
 def _slot_attention_combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H, SPLIT, HP,
-                                   D: tl.constexpr, BH: tl.constexpr):
-    """o[n, heads] = Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s, in split order."""
+                                   D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr):
+    """o[n, heads, d block] = Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s: all SPLIT (≤ SP)
+    splits' partials loaded at once (one memory round trip, not one per split)."""
     n = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    dd = tl.arange(0, D)
-    mx = tl.full([BH], float("-inf"), tl.float32)
-    for s in range(0, SPLIT):
-        mx = tl.maximum(mx, tl.load(m_ptr + (n * SPLIT + s) * HP + heads))
-    den = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    for s in range(0, SPLIT):
-        r = (n * SPLIT + s) * HP + heads
-        f = tl.exp(tl.load(m_ptr + r) - mx)
-        den += tl.load(l_ptr + r) * f
-        acc += tl.load(acc_ptr + r.to(tl.int64)[:, None] * D + dd[None, :]) * f[:, None]
-    o = tl.math.div_rn(acc, tl.broadcast_to(den[:, None], (BH, D)))
+    dd = tl.program_id(2) * BD + tl.arange(0, BD)
+    sp = tl.arange(0, SP)
+    r = (n * SPLIT + sp)[:, None] * HP + heads[None, :]                     # [SP, BH] rows of the split scratch
+    live = (sp < SPLIT)[:, None]
+    m = tl.load(m_ptr + r, mask=live, other=float("-inf"))
+    f = tl.exp(m - tl.max(m, axis=0)[None, :])                               # 0 for the padding splits
+    den = tl.sum(tl.load(l_ptr + r, mask=live, other=0.0) * f, axis=0)       # [BH]
+    part = tl.load(acc_ptr + r.to(tl.int64)[:, :, None] * D + dd[None, None, :], mask=live[:, :, None], other=0.0)
+    acc = tl.sum(part * f[:, :, None], axis=0)                               # [BH, BD]
+    o = tl.math.div_rn(acc, tl.broadcast_to(den[:, None], (BH, BD)))
     hmask = heads < H
     tl.store(o_ptr + (n * H + heads).to(tl.int64)[:, None] * D + dd[None, :], o.to(o_ptr.dtype.element_ty),
              mask=hmask[:, None])
@@ -163,6 +162,8 @@ def slot_attention(q: torch.Tensor, ring: torch.Tensor, slot_ids: torch.Tensor, 
         h, k, kv.shape[1] if kv is not None else 0, float(scale), split,
         W=w, D=d, BH=bh, BK=bk, HAS_SEL=kv is not None, PARTIAL=partial, num_warps=8 if d >= 512 else 4)
     if partial:
-        _slot_attention_combine_kernel[(n, hbs)](acc, ml[0], ml[1], o, h, split, hbs * bh, D=d, BH=bh,
-                                                 num_warps=8 if d >= 512 else 4)
+        sp = triton.next_power_of_2(split)
+        bd = max(16, min(d, 8192 // (sp * bh)))   # the [SP, BH, BD] fp32 partials tile: at most 8192 values
+        _slot_attention_combine_kernel[(n, hbs, triton.cdiv(d, bd))](acc, ml[0], ml[1], o, h, split, hbs * bh,
+                                                                     D=d, BH=bh, BD=bd, SP=sp, num_warps=4)
     return o
