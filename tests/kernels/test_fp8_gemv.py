@@ -58,6 +58,16 @@ def test_fp8_gemv16_shapes_and_splits(m, n, k, bn, bk, split, warps):
     _check(*_operands(m, n, k), _cfg(bn, bk, split, warps, acc16=True))
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("acc16", [False, True])
+def test_fp8_gemv_small_case(acc16):
+    """One small case of each accumulation mode (N, K and split tails), the one that also runs on the CPU under
+    Triton's interpreter (its inline PTX on tests/kernels/ptx_emulator.py)."""
+    torch.manual_seed(3)
+    _check(*_operands(2, 200, 1056), _cfg(8, 512, 3, 1, acc16=acc16))
+
+
+@pytest.mark.interpret
 def test_fp8_gemv16_reads_f16_codes():
     from dsflash.plugins.act_quant import act_quant
     from dsflash.plugins.fp8_gemv import fp8_gemv

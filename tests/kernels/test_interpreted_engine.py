@@ -1,4 +1,4 @@
-"""The opt-in kernels (rope, attention, index) inside a tiny V4.1 sm90 engine, run on the CPU through Triton's
+"""The decode-slot kernels (rope, attention, index) inside a tiny V4.1 sm90 engine, run on the CPU through Triton's
 interpreter. The registry sends CPU tensors to the references, so here the ops' eager entries are pointed at the
 kernels themselves: the engine's own tensors (strided query views, the decode slots with their scratch slot, −1
 top-k picks, open ratio-2 groups) reach the kernels, and the decode steps must come out as with the references.

@@ -13,6 +13,8 @@ from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
+# cases that also run on the CPU under Triton's interpreter (`make test`; inline PTX on tests/kernels/ptx_emulator.py)
+INTERPRET = pytest.mark.interpret
 D, E, TOPK, LIMIT, SCALE = 5120, 384, 6, 10.0, 1.5
 MS = [1, 3, 8, 64, 257]
 
@@ -58,6 +60,7 @@ def _split(w13_q, w13_s, ipad):
     return w13_q[:, :ipad], w13_s[:, :ipad], w13_q[:, ipad:], w13_s[:, ipad:]
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", MS)
 def test_router(m, gate):
     from dsflash.plugins.moe import gemv_act, natural_act, router
@@ -90,6 +93,7 @@ def _check_routing(x, gw, bias, w, ids):
     assert torch.allclose(w.sum(1), torch.full((x.shape[0],), SCALE, device=DEV), rtol=1e-5)
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_router_takes_a_bias_row_per_token(m, gate):
     """bias [T, E] (V4.1's `bias_vl` rows for image tokens): each token selects with its own row, as router_ref."""
@@ -106,6 +110,7 @@ def test_router_takes_a_bias_row_per_token(m, gate):
         router(x, gw, rows[:, :-1].contiguous(), TOPK, SCALE)
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 def test_router_launch_shapes_agree(m, gate, monkeypatch):
     """Router launch shapes (1-4 tokens per top-k program, 2-4 warps) select the same experts at the same K split,
@@ -125,6 +130,7 @@ def test_router_launch_shapes_agree(m, gate, monkeypatch):
         assert torch.equal(ids, want[1]) and refs.rel_err(w, want[0]) <= 1e-6, rt
 
 
+@INTERPRET
 def test_align_layout():
     from dsflash.plugins.moe import max_blocks, moe_align
     for m, bm in ((1, 16), (257, 16), (4096, 64)):
@@ -244,6 +250,7 @@ def _small_experts(e: int, d: int, inter: int, gen: torch.Generator):
     return w13_q, w13_s.view(refs.E8M0), w2_q, w2_s.view(refs.E8M0)
 
 
+@INTERPRET
 @pytest.mark.parametrize("acc16", [False, True])
 @pytest.mark.parametrize("d,inter,bk13,bn2,bk2", [(352, 96, 128, 128, 64), (640, 384, 256, 256, 256)])
 def test_moe_gemv_uneven_tiles(acc16, d, inter, bk13, bn2, bk2):
@@ -325,6 +332,7 @@ EP = 8
 LOCAL = E // EP
 
 
+@INTERPRET
 def test_router_ids_local_to_an_ep_block(gate):
     """ids local to [start, start + L), another rank's pick = L; the weights are the all-expert router's."""
     from dsflash.plugins.moe import local_pairs, pair_entry, router
@@ -348,6 +356,7 @@ def test_router_ids_local_to_an_ep_block(gate):
         router(x, gw, bias, TOPK, SCALE, expert_start=E - LOCAL + 1, local_experts=LOCAL)
 
 
+@INTERPRET
 def test_align_leaves_out_other_ranks_pairs():
     from dsflash.plugins.moe import moe_align
     ids = torch.randint(0, LOCAL + 1, (257, TOPK), dtype=torch.int32, device=DEV)   # LOCAL: another rank's
@@ -453,6 +462,7 @@ def v4_gate():
     return gw, torch.randn(V4_E, device=DEV, generator=gen) * 0.05
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
 def test_v4_router_quantizes_per_128(m, v4_gate):
     """V4's router writes the experts' activation quantized per 1×128 in every layout (bit for bit, on inputs where
@@ -472,6 +482,7 @@ def test_v4_router_quantizes_per_128(m, v4_gate):
     assert refs.rel_err(w.gather(1, ids.long().argsort(1))[same], w_ref.gather(1, ids_ref.argsort(1))[same]) < 1e-5
 
 
+@INTERPRET
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_v4_router_takes_hash_picks(m, v4_gate):
     """V4's hash-routed layers: the router keeps the given picks (`tid2eid` of the tokens), weights = the scores at
