@@ -647,10 +647,10 @@ ROPE_SITES = [("q", (SLOT_H, SLOT_D), "none", 32), ("window_kv", (SLOT_D,), "fp8
 
 
 def bench_slots(ceil: dict, ms: list[int]) -> list[dict]:
-    """The three decode-slot kernels (`rope_quant`, `slot_attention`, `slot_index_scores`) against the model's
-    unfused torch path they replace (`dispatch.rope_rows(False, ..)`, the `*_ref`s), at decode batches M <= 64."""
-    from dsflash.model_def import dispatch
-    from dsflash.plugins import registry  # noqa: F401  (registers the ops rope_rows(True, ..) calls)
+    """The three decode-slot kernels (`rope_quant`, `slot_attention`, `slot_index_scores`) against their plain-PyTorch
+    references (`refs.*_ref`: the torch ops the model runs without them), at decode batches M <= 64. RoPE angles are
+    given (the model takes them once per step and table)."""
+    from dsflash.plugins.rope_quant import rope_quant
     from dsflash.plugins.slot_attention import slot_attention
     from dsflash.plugins.slot_index import slot_index_scores
     rows = []
@@ -658,12 +658,13 @@ def bench_slots(ceil: dict, ms: list[int]) -> list[dict]:
     inv = 1.0 / (10000.0 ** (torch.arange(0, SLOT_RD, 2, dtype=torch.float64) / SLOT_RD)).float().to(DEV)
     for m in [m for m in ms if m <= 64]:
         pos = torch.randint(8192, SLOT_MAX_SEQ, (m,), device=DEV)
+        cos, sin = (t.view(m, 1, -1) for t in refs.rope_cos_sin_ref(pos, inv))
         for site, tail, quant, block in ROPE_SITES:
             x = (torch.randn(m, 1, *tail, device=DEV) * 2).to(bf)
-            fused, unfused = (lambda f=f: dispatch.rope_rows(f, x, pos.view(m, 1), inv, quant, block)
-                              for f in (True, False))
-            err = refs.rel_err(fused(), unfused())
-            (us, how), (ref_us, _) = graph_time_many([[fused], [unfused]])
+            err = refs.rel_err(rope_quant(x, cos, sin, False, quant, block),
+                               refs.rope_quant_ref(x, cos, sin, False, quant, block))
+            (us, how), (ref_us, _) = graph_time_many([[lambda: rope_quant(x, cos, sin, False, quant, block)],
+                                                      [lambda: refs.rope_quant_ref(x, cos, sin, False, quant, block)]])
             rows.append(_row("rope_quant", f"{site} {quant} {m}x{'x'.join(map(str, tail))}", m, us, ref_us,
                              2 * x.numel() * 2, 0, ceil, err, timing=how))
         slots = m + 1

@@ -22,9 +22,9 @@ import sys
 import numpy as np
 import torch
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import libdevice as cuda_libdevice
-from triton.language.extra import cuda as tl_cuda
 from triton.runtime import interpreter as _interp
 
 from ptx_emulator import Emulator
