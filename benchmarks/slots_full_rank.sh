@@ -5,8 +5,8 @@
 # step with the attention and index plugins off, and with the rope, attention and index plugins off
 # (benchmarks/README.md, sessions 39-42). TEST_S=0 skips the GPU tests; BUILD_ARGS go to `dsflash build`; BUDGET_S
 # (default 585) caps the seconds it runs. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB). LAYERS=22
-# builds the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule); it did not fit an 80 GB
-# H100 either (session 42: out of memory binding the MoE weights at 70.5 GiB allocated). dsflash installed
+# builds the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule), planned at 47.8 GiB; on
+# an 80 GB H100 it ran out of memory while binding the MoE (session 42, since fixed in build/bind.py, not re-run). dsflash installed
 # (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
 set -u
 OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"

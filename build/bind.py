@@ -231,13 +231,16 @@ def _bind_moe(model, args, kept, inter_local: int, ep_size: int, overlap_shared:
                              f"of {moe.gate.weight.shape[0]} // {ep_size} experts, this rank owns {ids[0]}..{ids[-1]} "
                              f"({len(ids)})")
 
-        def stack(w: str, part: str) -> torch.Tensor:
-            return torch.stack([kept[f"{name}.experts.{e}.{w}.weight"][part] for e in ids])
-
-        w13_q = torch.cat([stack("w1", "q"), stack("w3", "q")], 1)     # [E, 2·I_pad, D/2]
-        w13_s = torch.cat([stack("w1", "s"), stack("w3", "s")], 1)
-        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, stack("w2", "q"), stack("w2", "s"), inter_local, topk, scale,
-                                       temp, args.swiglu_limit, ids[0], args.act_block, overlap_shared)
+        # the experts' stored tensors are handed over (popped from kept), so a layer's per-expert copies are freed
+        # once stacked: a lean full-size rank would otherwise hold its routed experts twice while it binds
+        w1, w3, w2 = ([kept.pop(f"{name}.experts.{e}.{w}.weight") for e in ids] for w in ("w1", "w3", "w2"))
+        w13_q = torch.stack([torch.cat([a["q"], b["q"]]) for a, b in zip(w1, w3)])     # [E, 2·I_pad, D/2]
+        w13_s = torch.stack([torch.cat([a["s"], b["s"]]) for a, b in zip(w1, w3)])
+        del w1, w3
+        w2_q, w2_s = torch.stack([t["q"] for t in w2]), torch.stack([t["s"] for t in w2])
+        del w2
+        moe.plugin = dispatch.MXFP4MoE(w13_q, w13_s, w2_q, w2_s, inter_local, topk, scale, temp, args.swiglu_limit,
+                                       ids[0], args.act_block, overlap_shared)
         n += 1
     return n
 

@@ -224,6 +224,25 @@ def test_reference_override_binds_nothing(sm90_engine):
     assert torch.isfinite(model.logits(ids)).all()
 
 
+def test_moe_binding_takes_over_the_routed_experts(sm90_engine, monkeypatch):
+    """A lean load keeps the routed experts only as stored; the MoE binder stacks them for its kernels and must take
+    them out of the loader's table as it goes, so a rank never holds them twice (an 80 GB card ran out of memory at
+    70.5 GiB on a rank planned at 47.8 GiB before this)."""
+    from dsflash.build import bind as bind_mod
+    seen = {}
+    bind = bind_mod.bind_plugins
+
+    def spy(model, args, chosen, kept, *rest):
+        seen["before"] = sum(".experts." in k for k in kept)
+        out = bind(model, args, chosen, kept, *rest)
+        seen["after"] = sum(".experts." in k for k in kept)
+        return out
+    monkeypatch.setattr(bind_mod, "bind_plugins", spy)
+    model, _ = load_engine_model(sm90_engine, check_arch=False)
+    assert seen["before"] > 0 and seen["after"] == 0, seen
+    assert all(m.plugin is not None for m in model.modules() if hasattr(m, "experts"))   # every MoE bound
+
+
 def test_tp2_rank_with_padded_experts(hopper_ckpt, partial_sums, v41_site_kinds):
     """MoE-TP2 halves the tiny intermediate (64 -> 32), padded after sharding to the 64-wide sm90 tile."""
     eng = write_engine(hopper_ckpt, hopper_ckpt.parent / "eng-tp2", Mapping(world_size=2, tp_size=2), "sm90",
