@@ -18,7 +18,6 @@ import re
 import numpy as np
 import torch
 
-_MASK = {16: 0xFFFF, 32: 0xFFFFFFFF}
 _UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
