@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         from dsflash.serve.llm_engine import _simulated_comm
         comm = _simulated_comm(a.engine, a.simulate_rank, None)
         model = load_engine_model(a.engine, a.simulate_rank, comm=comm)[0]
-    print(f"loaded in {time.perf_counter() - t_load:.1f} s", flush=True)
+    load_s = time.perf_counter() - t_load
+    load_peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    print(f"loaded in {load_s:.1f} s" + (f", peak {load_peak_gib:.1f} GiB allocated" if load_peak_gib else ""),
+          flush=True)
     rows = []
     for n in (int(v) for v in a.requests.split(",")):
         fused = time_steps(model, n, a.context, a.steps, fused=True)
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('kernels', '-')} |")
     if a.json:
         meta = {"engine": a.engine, "simulate_rank": a.simulate_rank, "context": a.context, "steps": a.steps,
-                "device": str(model.head.weight.device), "torch": torch.__version__}
+                "device": str(model.head.weight.device), "torch": torch.__version__,
+                "load_s": round(load_s, 1), "load_peak_gib": load_peak_gib and round(load_peak_gib, 2)}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
