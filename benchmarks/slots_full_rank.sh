@@ -4,9 +4,10 @@
 # graph, at 1 and 64 requests with the slots sized for max_seq_len 9216; the kernels of the graph step; the graph
 # step with the attention and index plugins off, and with the rope, attention and index plugins off
 # (benchmarks/README.md, sessions 39-42). TEST_S=0 skips the GPU tests; BUILD_ARGS go to `dsflash build`; BUDGET_S
-# (default 585) caps the seconds it runs. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB). LAYERS=22
-# builds the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule), planned at 47.8 GiB; on
-# an 80 GB H100 it ran out of memory while binding the MoE (session 42, since fixed in build/bind.py, not re-run). dsflash installed
+# (default 585) caps the seconds it runs; TUNE_S (default 0) is the build's tuning budget; REQUESTS (default 1,64) the
+# request counts; AB=0 skips the plugins-off steps. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB). LAYERS=22
+# builds the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule), planned at 47.8 GiB; it
+# loads on an 80 GB H100 with a 53.7 GiB peak (session 43, after session 42's binder fix). dsflash installed
 # (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
 set -u
 OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
@@ -21,12 +22,13 @@ fi
 if [ "${TEST_S:-150}" != 0 ]; then
     timeout ${TEST_S:-150} python3 -m pytest -q -rA tests/kernels/test_engine_plugins.py -k "slot_graphs" > "$OUT/gpu_tests.log" 2>&1
 fi
-python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s 0 \
+python3 -m dsflash.serve.cli build --preset v41/full --tp 8 --arch sm90 --dummy-weights --tune-budget-s ${TUNE_S:-0} \
     --max-num-tokens 1024 --max-seq-len 9216 --json-model-override-args "$OVERRIDE" ${BUILD_ARGS:-} --out "$D/full" \
     > "$OUT/build_full.log" 2>&1
-timeout $((${BUDGET_S:-585} - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 --requests 1,64 \
-    --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time --without-flag fused_attention,fused_scores \
-    --without-flag fused_rope,fused_attention,fused_scores \
+AB_FLAGS="--without-flag fused_attention,fused_scores --without-flag fused_rope,fused_attention,fused_scores"
+[ "${AB:-1}" = 0 ] && AB_FLAGS=""
+timeout $((${BUDGET_S:-585} - SECONDS)) python3 benchmarks/step_chunks.py --engine "$D/full" --simulate-rank 0 \
+    --requests ${REQUESTS:-1,64} --steps 5 --fused-only --decode-slots --slot-max-seq-len 9216 --kernel-time $AB_FLAGS \
     --json "$OUT/slots_full.json" \
     > "$OUT/slots_full.log" 2>&1
 grep -E "passed|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -2; grep "^|" "$OUT/slots_full.log"

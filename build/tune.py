@@ -345,54 +345,41 @@ def _tune_bucket(op: TunableOp, bucket: dict) -> tuple[dict | None, dict[str, st
     return entry, failed
 
 
-def _tune_buckets(work: list[tuple[TunableOp, dict]], deadline: float, entries: list, skipped: list) -> None:
-    """Tune (op, bucket) pairs in the given order until the deadline; the late ones and the buckets whose every
-    candidate failed are recorded in skipped, per op."""
-    late: dict[str, list[dict]] = {}
-    lost: dict[str, list[dict]] = {}
-    with tqdm(work, desc="tune", unit="shape", disable=None) as bar:
-        for op, bucket in bar:
+def _tune_op(op: TunableOp, engine: dict, deadline: float, entries: list, skipped: list) -> None:
+    buckets = op.buckets(engine)
+    lost: list[dict] = []
+    with tqdm(buckets, desc=f"tune {op.name}", unit="shape", disable=None) as bar:
+        for i, bucket in enumerate(bar):
             if time.monotonic() > deadline:
-                late.setdefault(op.name, []).append(bucket)
-                continue
+                late = buckets[i:]
+                log.warning("%s: tuning time budget spent; %d buckets not tuned (serve falls back for them): %s",
+                            op.name, len(late), late)
+                skipped.append({"op": op.name, "reason": "time budget spent", "buckets": late})
+                break
             entry, failed = _tune_bucket(op, bucket)
             if entry is None:
                 log.warning("%s at %s: every candidate failed, e.g. %s", op.name, bucket, next(iter(failed.values())))
-                lost.setdefault(op.name, []).append(bucket)
+                lost.append(bucket)
             else:
                 entries.append(entry)
-    for name, buckets in late.items():
-        log.warning("%s: tuning time budget spent; %d buckets not tuned (serve falls back for them): %s",
-                    name, len(buckets), buckets)
-        skipped.append({"op": name, "reason": "time budget spent", "buckets": buckets})
-    skipped.extend({"op": name, "reason": "every candidate failed", "buckets": b} for name, b in lost.items())
+    if lost:
+        skipped.append({"op": op.name, "reason": "every candidate failed", "buckets": lost})
 
 
 def tune(engine: dict, arch: str, ops: list[TunableOp] | None = None) -> dict:
-    """Time every tunable op's candidates per bucket on this GPU. The buckets of all ops run in one queue ordered by
-    token count (each op's own order kept within a count), so when the time budget runs out it is the largest
-    buckets of every op that fall back to defaults, never a whole op's decode buckets (a 22-layer full-width V4.1
-    rank with 220 s: the GEMMs' 36 buckets, decode to M = 512, used it all and left the MoE's decode buckets
-    untuned; benchmarks/README.md, session 43)."""
     budget = float(engine.get("build_config", {}).get("tune_budget_s", TUNE_BUDGET_S))
     deadline = time.monotonic() + budget
     entries: list[dict] = []
     skipped: list[dict] = []
-    work: list[tuple[TunableOp, dict]] = []
-    measured: list[TunableOp] = []
     for op in ops if ops is not None else TUNABLE_OPS[arch]:
         reason = _cannot_measure(op, arch)
         if reason is not None:  # never record a timing that does not describe the target GPU
             log.warning("%s not tuned: %s; serve will use the default configs and log each fallback", op.name, reason)
             skipped.append({"op": op.name, "reason": reason})
             continue
-        measured.append(op)
-        work += [(op, b) for b in op.buckets(engine)]
-    work.sort(key=lambda ob: ob[1].get("m", 0))   # stable: ops, then each op's buckets, in order within a count
-    try:
-        _tune_buckets(work, deadline, entries, skipped)
-    finally:
-        for op in measured:
+        try:
+            _tune_op(op, engine, deadline, entries, skipped)
+        finally:
             if op.cleanup is not None:
                 op.cleanup()
     versions = {"torch": torch.__version__, "python": platform.python_version()}

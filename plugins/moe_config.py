@@ -213,8 +213,9 @@ def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int,
         return dataclasses.replace(cfg, rows2=True, warps2=4, split2=1) if rows_fit(inter) else cfg
     avg = t * topk / max(1, n_experts * ep)
     bm = 16 if avg <= 24 else (32 if avg <= 48 else 64)
-    if bm == 16:
-        return MoeConfig(False, 32, _div(dim, 128, 32), 64, _div(inter, 128, 32), 4, 3, 16, 4)
+    if bm == 16:   # w2 in 32-K steps: 3-12 % faster than 64 / 128 at one TP8 rank and TP1, M = 257 / 1024 (H100,
+        # benchmarks/moe_sorted_tiles_s43_h100.json)
+        return MoeConfig(False, 32, _div(dim, 128, 32), 64, 32, 4, 3, 16, 4)
     return MoeConfig(False, 64, _div(dim, 128, 32), 128, _div(inter, 128, 32), 8, 3, bm, 8)
 
 
@@ -237,12 +238,27 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
     return list(dict.fromkeys(out))
 
 
+def _sorted_candidates(d: MoeConfig, inter: int) -> list[MoeConfig]:
+    """Tiles of the sorted path around its default d: the w13 tile's rows, K depth, warps and pipeline depth, each
+    with d's w2; then w2's rows and K depth with d's w13. (H100, one TP8 rank and TP1 at M = 257 / 1024,
+    benchmarks/moe_sorted_tiles_s43_h100.json: w2's K step is worth 3-12 %, the w13 tile 0-8 %; 8-warp w13 tiles
+    and 256-deep K steps are slower everywhere, kept for other GPUs and shapes.)"""
+    out = [dataclasses.replace(d, bn13=bn, bk13=bk, warps=w, stages=st)
+           for bn, bk, w, st in ((32, 256, 4, 3), (32, 128, 4, 4), (32, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3))]
+    out += [dataclasses.replace(d, bn2=bn, bk2=bk, warps2=w)
+            for bn, bk, w in ((64, _div(inter, 64, 32), 4), (64, _div(inter, 128, 32), 4), (128, d.bk2, 8),
+                              (256, d.bk2, 8), (32, d.bk2, 4))]
+    return out
+
+
 def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
     """The candidates of 1×32 activations (`moe_candidates`), `_default_moe_config` first."""
     first = _default_moe_config(t, topk, n_experts, inter, dim, ep)
     p = -(-t * topk // ep)   # the pairs this rank runs (all of them without EP): the GEMVs' split-K sizes for them
     out = [first]
     d = first
+    if not first.gemv:
+        return [first] + _sorted_candidates(first, inter)
     if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
         out += [dataclasses.replace(first, warps2=w) for w in (2, 8)]
         d = _triton_gemv_default(p, inter, dim)

@@ -210,33 +210,6 @@ def test_time_budget_skips_the_remaining_buckets(caplog):
     assert any("budget" in r.getMessage() and "'m': 8" in r.getMessage() for r in caplog.records)
 
 
-def test_buckets_of_all_ops_are_tuned_in_token_order_and_the_budget_cuts_the_largest(monkeypatch, caplog):
-    """One queue over the ops, by token count: when the budget runs out it is every op's largest buckets that fall
-    back, not a later op's decode buckets (session 43: the GEMMs' buckets up to M = 512 used a 220 s budget and the
-    MoE's M = 1 bucket went untuned)."""
-    clock = [0.0]
-    monkeypatch.setattr(tune_mod.time, "monotonic", lambda: clock[0])
-    order = []
-
-    def make(name):
-        def made(bucket, cfg):
-            order.append((name, bucket["m"]))
-            clock[0] += 1.0          # each bucket takes a second
-            return lambda: None
-        return made
-    gemm = TunableOp("gemm", lambda eng: [{"m": m, "n": n} for m in (1, 8, 64) for n in (2, 3)],
-                     lambda b: [{"c": 1}], make("gemm"), {"c": 1})
-    moe = TunableOp("moe", lambda eng: [{"m": m} for m in (1, 8, 64)], lambda b: [{"c": 1}], make("moe"), {"c": 1})
-    with caplog.at_level(logging.WARNING, logger="dsflash.tune"):
-        data = tune({"model": {}, "build_config": {"tune_budget_s": 5.5}}, "cpu", [gemm, moe])
-    assert order == [("gemm", 1), ("gemm", 1), ("moe", 1), ("gemm", 8), ("gemm", 8), ("moe", 8)]
-    assert [(e["op"], e["bucket"]["m"]) for e in data["entries"]] == order
-    assert data["skipped"] == [{"op": "gemm", "reason": "time budget spent", "buckets": [{"m": 64, "n": 2},
-                                                                                           {"m": 64, "n": 3}]},
-                               {"op": "moe", "reason": "time budget spent", "buckets": [{"m": 64}]}]
-    assert sum("budget" in r.getMessage() for r in caplog.records) == 2
-
-
 def _gemm_entry(n, k, m, won, timed):
     """A tuned.json fp8_gemm entry; timed: [(candidate, time_us)]."""
     return {"op": "fp8_gemm", "bucket": {"n": n, "k": k, "m": m, "bf16_cache": True}, "config": won,
