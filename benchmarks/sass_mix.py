@@ -67,16 +67,22 @@ def compile_sass(bm: int, bn: int, warps: int, stages: int, maxnreg: int | None)
     src = GluonASTSource(kern, sig, {(names.index(p),): v for p, v in const.items()},
                          {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if p in aligned})
     opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return cubin_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"])
+
+
+def cubin_sass(cubin: bytes) -> str:
+    """SASS of a compiled kernel (Triton's bundled cuobjdump; no GPU needed)."""
+    import triton
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
+        f.write(cubin)
         f.flush()
         return subprocess.run([str(cuobjdump), "-sass", f.name], check=True, capture_output=True, text=True).stdout
 
 
-def k_loop(sass: str) -> list[str]:
-    """Opcodes of the K loop: the body of the backward branch that spans the most wgmma (QGMMA) instructions."""
+def k_loop(sass: str, marker: str = "QGMMA") -> list[str]:
+    """Opcodes of the K loop: the body of the backward branch that spans the most `marker` instructions (the FP8
+    wgmma by default; HMMA for an mma.sync kernel)."""
     ins = [(int(mt.group(1), 16), mt.group(3), mt.group(5)) for mt in map(_LINE.search, sass.splitlines()) if mt]
     best = None
     for addr, op, args in ins:
@@ -86,9 +92,9 @@ def k_loop(sass: str) -> list[str]:
         if not target or int(target.group(1), 16) >= addr:
             continue
         body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
-        if body.count("QGMMA") and (best is None or body.count("QGMMA") > best.count("QGMMA")):
+        if body.count(marker) and (best is None or body.count(marker) > best.count(marker)):
             best = body
-    assert best is not None, "no backward branch around the wgmmas"
+    assert best is not None, f"no backward branch around the {marker}s"
     return best
 
 
