@@ -572,3 +572,33 @@ def test_v4_moe_pipeline(m, v4_gate):
         op = torch.ops.dsflash.moe(x, gw, bias, TOPK, SCALE, w13_q, w13_s, w2_q, w2_s, LIMIT, 256, shared, 1.0, 0,
                                    V4_QB, hash_ids)
         assert refs.rel_err(op, ref) < 1e-2
+
+
+@INTERPRET
+def test_moe_sorted_tiles():
+    """The sorted path (expert blocks of tokens, `tl.dot_scaled`) at the default rule's tile and every tile `build`
+    times around it (`moe_config._sorted_candidates`), on a small expert set with a TP rank's zero padding (inter 64
+    of 96), against the reference: the path the GPU tests reach only at full width (M = 257) also runs on the CPU."""
+    from dsflash.plugins.moe import moe_experts
+    from dsflash.plugins.moe_config import default_moe_config, moe_candidates
+    d, e, topk, inter, ipad, m = 256, 8, 2, 64, 96, 40
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=gen)
+    w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=gen)
+    w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=gen)
+    w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=gen)
+    for half in (0, ipad):
+        w13_q[:, half + inter:half + ipad] = 0
+    w2_q[:, :, inter // 2:] = 0
+    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    x = _x_wide(m, d, 700)
+    ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:topk] for _ in range(m)]).to(torch.int32)
+    w = torch.rand(m, topk, device=DEV, generator=gen)
+    shared = torch.randn(m, d, device=DEV, generator=gen)
+    ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
+    cfgs = moe_candidates(m, topk, e, ipad, d)
+    assert cfgs[0] == default_moe_config(m, topk, e, ipad, d) and not any(c.gemv for c in cfgs) and len(cfgs) >= 8
+    xq = refs.fp8_fake_quant_ref(x)
+    for cfg in cfgs:
+        out = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)
+        assert refs.rel_err(out, ref) < 1e-2, (cfg.tag(), refs.rel_err(out, ref))
