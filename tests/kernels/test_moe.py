@@ -583,14 +583,7 @@ def test_moe_sorted_tiles():
     from dsflash.plugins.moe_config import default_moe_config, moe_candidates
     d, e, topk, inter, ipad, m = 256, 8, 2, 64, 96, 40
     gen = torch.Generator(device=DEV).manual_seed(5)
-    w13_q = torch.randint(-128, 128, (e, 2 * ipad, d // 2), dtype=torch.int8, device=DEV, generator=gen)
-    w13_s = torch.randint(117, 124, (e, 2 * ipad, d // 32), dtype=torch.uint8, device=DEV, generator=gen)
-    w2_q = torch.randint(-128, 128, (e, d, ipad // 2), dtype=torch.int8, device=DEV, generator=gen)
-    w2_s = torch.randint(117, 124, (e, d, ipad // 32), dtype=torch.uint8, device=DEV, generator=gen)
-    for half in (0, ipad):
-        w13_q[:, half + inter:half + ipad] = 0
-    w2_q[:, :, inter // 2:] = 0
-    w13_s, w2_s = w13_s.view(refs.E8M0), w2_s.view(refs.E8M0)
+    w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(e, d, inter, ipad, gen)
     x = _x_wide(m, d, 700)
     ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:topk] for _ in range(m)]).to(torch.int32)
     w = torch.rand(m, topk, device=DEV, generator=gen)
