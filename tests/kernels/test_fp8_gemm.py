@@ -18,13 +18,23 @@ def _operands(m: int, n: int, k: int, a_fmt: str = "fp32"):
     return x, a_q, a_s, w_q, w_s
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
-@pytest.mark.parametrize("n,k", [(256, 512), (4096, 1280), (5120, 288), (576, 5120)])
+def _mnk_cases(ns_ks: list[tuple[int, int]], interpret: set[tuple[int, int, int]]) -> list:
+    """(m, n, k) for M = 1, 3, 8, 64, 257 and each (n, k); those in `interpret` also run on the CPU under Triton's
+    interpreter (`make test`), their Triton candidates only."""
+    return [pytest.param(m, n, k, marks=pytest.mark.interpret) if (m, n, k) in interpret else (m, n, k)
+            for m in [1, 3, 8, 64, 257] for n, k in ns_ks]
+
+
+@pytest.mark.parametrize("m,n,k", _mnk_cases([(256, 512), (4096, 1280), (5120, 288), (576, 5120)],
+                                              {(3, 256, 512), (64, 256, 512)}))
 def test_fp8_gemm_all_candidates(m, n, k):
     from dsflash.plugins.fp8_gemm import fp8_gemm, tile_weight
+    from dsflash.plugins.kernel_device import interpreting
     _, a_q, a_s, w_q, w_s = _operands(m, n, k)
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
     for cfg in tuning.candidates(n, k, m):
+        if interpreting() and (cfg.gluon or cfg.sm90):   # Gluon and the sm90 CUDA kernel need the GPU
+            continue
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)   # poisoned
         a_in = refs.codes16_ref(a_q) if cfg.acc16 else a_q   # acc16 GEMVs read f16 codes
         fp8_gemm(a_in, a_s, w_q, w_s, cfg, out=out, w_tiled=tile_weight(w_q, cfg) if cfg.tiled_w else None)
@@ -134,17 +144,21 @@ def _v4_operands(m: int, n: int, k: int):
     return x, a_q, a_s, w_q, w_s
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])
-@pytest.mark.parametrize("n,k", [(4096, 1024), (512, 4096), (4096, 256), (200, 96)])
+@pytest.mark.parametrize("m,n,k", _mnk_cases([(4096, 1024), (512, 4096), (4096, 256), (200, 96)],
+                                              {(3, 200, 96), (64, 200, 96)}))
 def test_fp8_gemm_v4_groups_all_candidates(m, n, k):
     """Every candidate of a V4 shape (TP8 wq_b, TP8 shared w1|w3, TP8 shared w2, a ragged tiny width), among them
-    the FP8-MMA tiles promoted once per 64 / 128 K, against the reference on V4 operands."""
+    the FP8-MMA tiles promoted once per 64 / 128 K, against the reference on V4 operands (the tiny width's Triton
+    candidates also under the interpreter)."""
     from dsflash.plugins.fp8_gemm import fp8_gemm, tile_weight
+    from dsflash.plugins.kernel_device import interpreting
     _, a_q, a_s, w_q, w_s = _v4_operands(m, n, k)
     ref = refs.fp8_gemm_ref(a_q, a_s, w_q, w_s, torch.float32)
     cands = tuning.candidates(n, k, m, 128)
     assert any(c.promotes_every == 128 for c in cands)
     for cfg in cands:
+        if interpreting() and (cfg.gluon or cfg.sm90):   # Gluon and the sm90 CUDA kernel need the GPU
+            continue
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
         a_in = refs.codes16_ref(a_q) if cfg.acc16 else a_q
         fp8_gemm(a_in, a_s, w_q, w_s, cfg, out=out, w_tiled=tile_weight(w_q, cfg) if cfg.tiled_w else None, group=128)

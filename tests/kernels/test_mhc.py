@@ -8,6 +8,14 @@ from dsflash.plugins import refs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # "cpu": under TRITON_INTERPRET=1 (conftest)
+# cases that also run on the CPU under Triton's interpreter (`make test`): few tokens at D = 256, and one token at
+# D = 9248 (the two-pass rows)
+INTERPRET = pytest.mark.interpret
+
+
+def _cases(ts, ds, small):
+    """(t, d) pairs, those in `small` marked to run under the interpreter too."""
+    return [pytest.param(t, d, marks=INTERPRET) if (t, d) in small else (t, d) for t in ts for d in ds]
 
 
 def _site(t: int, d: int):
@@ -26,8 +34,7 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 64, 257])
-@pytest.mark.parametrize("d", [256, 5120])
+@pytest.mark.parametrize("t,d", _cases([1, 3, 8, 64, 257], [256, 5120], {(1, 256), (3, 256), (8, 256), (64, 256)}))
 def test_hc_mix(t, d):
     from dsflash.plugins.mhc import hc_mix
     X, fn, base, scale = _site(t, d)
@@ -39,9 +46,11 @@ def test_hc_mix(t, d):
         assert refs.rel_err(g, w) < 1e-5, (name, refs.rel_err(g, w))
 
 
-@pytest.mark.parametrize("t", [1, 3, 257])
-@pytest.mark.parametrize("d", [256, 5120, 9248])   # 9248: past the register-resident row (10 chunks), two passes
-@pytest.mark.parametrize("quant", [False, True])
+SMALL_ROWS = {(1, 256), (3, 256), (1, 9248)}
+
+
+@pytest.mark.parametrize("t,d", _cases([1, 3, 257], [256, 5120, 9248], SMALL_ROWS))   # 9248: past the
+@pytest.mark.parametrize("quant", [False, True])                                      # register-resident row
 def test_hc_pre(t, d, quant):
     from dsflash.plugins.mhc import hc_pre
     X, *_ = _site(t, d)
@@ -57,8 +66,7 @@ def test_hc_pre(t, d, quant):
         assert refs.rel_err(refs.act_dequant_ref(got[1], got[2]), refs.act_dequant_ref(want[1], want[2])) < 1e-2
 
 
-@pytest.mark.parametrize("t", [1, 3, 257])
-@pytest.mark.parametrize("d", [256, 5120, 9248])
+@pytest.mark.parametrize("t,d", _cases([1, 3, 257], [256, 5120, 9248], SMALL_ROWS))
 @pytest.mark.parametrize("mode", ["expand", "fused", "fused_quant"])
 def test_hc_post(t, d, mode):
     from dsflash.plugins.mhc import hc_post

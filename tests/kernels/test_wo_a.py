@@ -40,6 +40,23 @@ def test_wo_a_all_candidates(m, h, g):
         assert torch.equal(again, out), cfg.tag()
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_wo_a_triton_candidates_small(m):
+    """Every Triton WO-A candidate (arch-neutral: no Gluon) at a small shape, also under the interpreter on the CPU:
+    groups of 3 heads of 128 with RoPE on 32, rank 128, against the reference; a second call gives the same bits
+    (the split-K counters were reset)."""
+    from dsflash.plugins.wo_a import candidates, wo_a
+    o, cos, sin, w = _case(m, 6, 2, 13 * m, head_d=128, rd=32, rank=128)
+    ref = refs.wo_a_ref(o, cos, sin, w, torch.float32)
+    cands = candidates(m, w.shape[0], w.shape[1], head_d=128, rd=32)
+    assert cands and not any(c.gluon for c in cands)
+    for cfg in cands:
+        out = wo_a(o, cos, sin, w, cfg)
+        assert out.shape == (m, 2 * 128) and refs.rel_err(out, ref) < 1e-2, (cfg.tag(), refs.rel_err(out, ref))
+        assert torch.equal(wo_a(o, cos, sin, w, cfg), out), cfg.tag()
+
+
 def test_wo_a_rope_matters_and_graph():
     from dsflash.plugins.wo_a import wo_a
     o, cos, sin, w = _case(2, 8, 1, 5)
