@@ -37,14 +37,14 @@ def _use_kernels(monkeypatch, ops, calls: dict[str, list]) -> None:
         monkeypatch.setattr(registry.eager_ops, op, run)
 
 
-def _decode(model, steps: int = 6) -> list[torch.Tensor]:
+def _decode(model, steps: int = 6, prompts: tuple[int, ...] = (40, 3, 17)) -> list[torch.Tensor]:
     """Three requests (prompts 40, 3 and 17 tokens) prefilled, then `steps` decode steps in decode slots."""
     from dsflash.model_def.ragged import Chunk
     model.enable_decode_slots(3, 96)
     try:
         g = torch.Generator().manual_seed(9)
         states = [model.new_state(1) for _ in range(3)]
-        model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s) for n, s in zip((40, 3, 17), states)])
+        model.step_chunks([Chunk(torch.randint(3, 900, (1, n), generator=g), s) for n, s in zip(prompts, states)])
         return [torch.cat(model.step_chunks([Chunk(torch.randint(3, 900, (1, 1), generator=g), s) for s in states]))
                 for _ in range(steps)]
     finally:
@@ -81,3 +81,60 @@ def test_attention_kernel_in_the_decode_slots(model, monkeypatch):
     _decode(model)
     errs = calls["slot_attention"]
     assert len(errs) == 6 * model.args.n_layers and max(errs) <= 1e-3, max(errs)
+
+
+def _linear_kernel(x, w_q, w_s, w_bf16=None, act_block=32, w_s_t=None):
+    """`fp8_linear` on the FP8 path with the arch-neutral default config (the sm90 default's Gluon and CUDA kernels
+    need a GPU): the activation quantization kernel, then the Triton GEMM or GEMV."""
+    from dsflash.plugins import tuning
+    from dsflash.plugins.registry import fp8_linear_config
+    n, k = w_q.shape
+    return fp8_linear_config(x, w_q, w_s, tuning.default_config(n, k, x.shape[0], group=act_block), act_block)
+
+
+def _moe_kernel(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared=None,
+                gate_temp=1.0, expert_start=0, qblock=32, hash_ids=None):
+    from dsflash.plugins.moe import moe
+    return moe(x, gate_w, gate_bias, topk, route_scale, w13_q, w13_s, w2_q, w2_s, swiglu_limit, inter, shared,
+               gate_temp, expert_start=expert_start, qblock=qblock, hash_ids=hash_ids)
+
+
+def _mhc_kernels() -> dict:
+    """The registry's mHC row ops this engine calls (their signatures) on the `plugins.mhc` kernels (the FP8-quantizing
+    variants: tests/kernels/test_mhc.py). (Not the coefficients, `hc_mix`:
+    the interpreter runs its 20 Sinkhorn iterations per token in numpy, ~0.5 s a call, 30 s for this test's steps;
+    tests/kernels/test_mhc.py runs it at 1-64 tokens.)"""
+    from dsflash.plugins import mhc
+    return {"hc_pre": lambda X, pre, w, eps: mhc.hc_pre(X, pre, w, eps),
+            "hc_post": lambda X, fx, post, comb: mhc.hc_post(X, fx, post, comb),
+            "hc_post_pre": lambda X, fx, post, comb, npre, w, eps: mhc.hc_post(X, fx, post, comb, npre, w, eps)}
+
+
+def _site_err(out, want) -> float:
+    """‖Δ‖/‖ref‖ of an op's output (the worst of a tuple's float members; FP8 codes compared as values)."""
+    outs, wants = (out, want) if isinstance(out, tuple) else ((out, ), (want, ))
+    errs = [refs.rel_err(o.float(), w.float()) for o, w in zip(outs, wants) if o.dtype != torch.int32]
+    return max(errs)
+
+
+def test_gemm_moe_mhc_and_wo_a_kernels_in_the_engine_steps(model, monkeypatch):
+    """The FP8 linears, the MoE (router, experts: the sorted path in the 17-token prefill, the decode GEMVs in the
+    decode step), the mHC row kernels and WO-A, on the engine's own tensors through a prefill of three requests and
+    a decode step: each call within the GPU engine tests' site bound (1e-2) of the reference on the same inputs."""
+    from dsflash.plugins import registry
+    from dsflash.plugins.wo_a import wo_a
+    kernels = {"fp8_linear": _linear_kernel, "moe": _moe_kernel, "wo_a": wo_a, **_mhc_kernels()}
+    errs: dict[str, list[float]] = {op: [] for op in kernels}
+    for op, kernel in kernels.items():
+        ref = getattr(registry.eager_ops, op)
+
+        def run(*args, kernel=kernel, ref=ref, op=op, **kw):
+            out = kernel(*args, **kw)
+            errs[op].append(_site_err(out, ref(*args, **kw)))
+            return out
+        monkeypatch.setattr(registry.eager_ops, op, run)
+    _decode(model, steps=1, prompts=(9, 3, 5))
+    called = {op: len(e) for op, e in errs.items()}
+    assert all(called.values()), called
+    worst = {op: max(e) for op, e in errs.items() if e}
+    assert max(worst.values()) <= 1e-2, worst
