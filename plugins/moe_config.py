@@ -223,9 +223,9 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
                    qblock: int = 32) -> list[MoeConfig]:
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
-    row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. With V4's qblock 128
-    every w13 tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums
-    (`sums_for_width`)."""
+    row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. Where the default is
+    the sorted path (larger M), its tiles around the default (`_sorted_candidates`). With V4's qblock 128 every w13
+    tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums (`sums_for_width`)."""
     out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock)]
     out += [sums_for_width(for_qblock(c, qblock), topk, inter)
             for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
