@@ -6,6 +6,8 @@
   picks there (BF16-dequant, 128 K per iteration), and the plain FP8-MMA config for comparison.
 - `prefill`: the Gluon large-M FP8 GEMM (`fp8_gemm_gluon`, the config the tuner picked at M = 4096 in session 5) on
   wo_b TP1 and wq_a (results: benchmarks/ncu_prefill_h200.json).
+- `moe_sorted`: the MoE's sorted (prefill) path, align + w13 + w2, on one TP8 rank at M = 257 and 1024, default
+  config (17-27 % of copy bandwidth in session 43; `-k 'regex:_moe_align|_moe_w13_kernel|_moe_w2_kernel'`).
 
 On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.json, section "Session 4" of README.md):
     ncu --clock-control none --metrics <list in ncu_decode_h200.json> \
@@ -59,6 +61,20 @@ def run_gemm() -> None:
         torch.cuda.synchronize()
 
 
+def run_moe_sorted(g: torch.Generator) -> None:
+    gw = (torch.randn(E, D, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(E, device=DEV, generator=g) * 0.05
+    w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(E, D, INTER, IPAD, g)
+    for m in (257, 1024):
+        x = (torch.randn(m, D, device=DEV, generator=g) * 2).to(torch.bfloat16)
+        cfg = M.default_moe_config(m, TOPK, E, IPAD, D)
+        assert not cfg.gemv, cfg.tag()
+        w, ids, xq = M.router(x, gw, bias, TOPK, 1.5, xq_layout=cfg.xq_layout)
+        for _ in range(2):
+            M.moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, 10.0, INTER, None, cfg)
+        torch.cuda.synchronize()
+
+
 PREFILL_CASES = [(5120, 8192), (1280, 5120)]
 
 
@@ -74,7 +90,7 @@ def run_prefill() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("moe", "gemm", "prefill"))
+    p.add_argument("what", choices=("moe", "gemm", "prefill", "moe_sorted"))
     p.add_argument("--tc13", default="", help="moe: also the tensor-core w13 (`moe_tc`) at 'split,depth'")
     a = p.parse_args()
     if a.what == "moe":
@@ -82,6 +98,8 @@ def main() -> None:
                 tuple(int(v) for v in a.tc13.split(",")) if a.tc13 else None)
     elif a.what == "gemm":
         run_gemm()
+    elif a.what == "moe_sorted":
+        run_moe_sorted(torch.Generator(device=DEV).manual_seed(3))
     else:
         run_prefill()
 
