@@ -7,7 +7,7 @@
 - `prefill`: the Gluon large-M FP8 GEMM (`fp8_gemm_gluon`, the config the tuner picked at M = 4096 in session 5) on
   wo_b TP1 and wq_a (results: benchmarks/ncu_prefill_h200.json).
 - `moe_sorted`: the MoE's sorted (prefill) path, align + w13 + w2, on one TP8 rank at M = 257 and 1024, default
-  config (17-27 % of copy bandwidth in session 43; `-k 'regex:_moe_align|_moe_w13_kernel|_moe_w2_kernel'`).
+  config (16-27 % of copy bandwidth in session 43; `-k 'regex:_moe_align|_moe_w13_kernel|_moe_w2_kernel'`).
 
 On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.json, section "Session 4" of README.md):
     ncu --clock-control none --metrics <list in ncu_decode_h200.json> \
