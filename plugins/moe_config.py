@@ -254,33 +254,32 @@ def _sorted_candidates(d: MoeConfig, inter: int) -> list[MoeConfig]:
 def _moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1) -> list[MoeConfig]:
     """The candidates of 1×32 activations (`moe_candidates`), `_default_moe_config` first."""
     first = _default_moe_config(t, topk, n_experts, inter, dim, ep)
+    if not first.gemv:
+        return [first] + _sorted_candidates(first, inter)
     p = -(-t * topk // ep)   # the pairs this rank runs (all of them without EP): the GEMVs' split-K sizes for them
     out = [first]
     d = first
-    if not first.gemv:
-        return [first] + _sorted_candidates(first, inter)
     if first.rows2:   # the variations below are of the Triton w2 default; the Gluon one varies its warps
         out += [dataclasses.replace(first, warps2=w) for w in (2, 8)]
         d = _triton_gemv_default(p, inter, dim)
         out.append(d)
-    if d.gemv:
-        old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
-                        _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
-        out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
-                dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
-                dataclasses.replace(d, split13=min(6, d.split13 + 1)),   # (one EP8 rank's M = 8: x3 2.4 % faster
-                # than x2 on some routings, 2.3 % slower on the bench's: benchmarks/moe_split_near_s19_h200.json)
-                dataclasses.replace(d, split13=min(6, 2 * d.split13)),
-                dataclasses.replace(d, split13=min(6, 4 * d.split13)),
-                _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
-                _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
-        if d.acc16:   # w13 slices unrolled with register prefetch, where a slice is short (`unrolled_steps`): up to
-            # 5 % faster at one EP8 rank's M = 1 and one TP8 rank's M = 3, slower elsewhere (session 21,
-            # benchmarks/moe_unroll_s21_h200.json)
-            for c in (dataclasses.replace(first, unroll13=True, stages=2),
-                      dataclasses.replace(first, unroll13=True, split13=min(6, 2 * first.split13))):
-                if unrolled_steps(c, dim, inter):
-                    out.append(c)
+    old = _gemv_cfg(_div(inter, 64 if inter >= 1024 else 32, 32), _div(dim, 128, 32), _div(dim, 128, 32),
+                    _div(inter, 128, 32), 4, 4, p, inter, dim, acc16=False)
+    out += [dataclasses.replace(d, acc16=False), old, dataclasses.replace(old, acc16=True),
+            dataclasses.replace(d, split13=max(1, d.split13 // 2), split2=1),
+            dataclasses.replace(d, split13=min(6, d.split13 + 1)),   # (one EP8 rank's M = 8: x3 2.4 % faster
+            # than x2 on some routings, 2.3 % slower on the bench's: benchmarks/moe_split_near_s19_h200.json)
+            dataclasses.replace(d, split13=min(6, 2 * d.split13)),
+            dataclasses.replace(d, split13=min(6, 4 * d.split13)),
+            _gemv_cfg(64, _div(dim, 256, 32), 128, _div(inter, 256, 32), 3, 3, p, inter, dim),
+            _gemv_cfg(32, _div(dim, 512, 32), 128, _div(inter, 128, 32), 1, 1, p, inter, dim)]
+    if d.acc16:   # w13 slices unrolled with register prefetch, where a slice is short (`unrolled_steps`): up to
+        # 5 % faster at one EP8 rank's M = 1 and one TP8 rank's M = 3, slower elsewhere (session 21,
+        # benchmarks/moe_unroll_s21_h200.json)
+        for c in (dataclasses.replace(first, unroll13=True, stages=2),
+                  dataclasses.replace(first, unroll13=True, split13=min(6, 2 * first.split13))):
+            if unrolled_steps(c, dim, inter):
+                out.append(c)
     # (Measured and dropped, H200 session 8: w2 in one K step per program for a short intermediate, 1.06-1.16x slower
     # at TP8 M = 1 / 3 / 8; w2 with one program per token instead of per pair, benchmarks/moe_w2_by_token_s8_h200.json.)
     return list(dict.fromkeys(out))

@@ -20,19 +20,28 @@ KERNELS = {"rope_quant": ("rope_quant", "rope_quant"), "slot_attention": ("slot_
            "slot_index_scores": ("slot_index", "slot_index_scores")}
 
 
-def _use_kernels(monkeypatch, ops, calls: dict[str, list]) -> None:
-    """Point the eager entries of `ops` at their kernels; each call appends the kernel output's ‖Δ‖/‖ref‖ against the
-    reference op on the same inputs."""
+def _slot_kernels(ops) -> dict:
+    """The decode-slot kernels of `ops` (names of `KERNELS`), which take their registry ops' arguments."""
     import importlib
+    return {op: getattr(importlib.import_module(f"dsflash.plugins.{KERNELS[op][0]}"), KERNELS[op][1]) for op in ops}
 
+
+def _site_err(out, want) -> float:
+    """‖Δ‖/‖ref‖ of an op's output (the worst member of a tuple)."""
+    outs, wants = (out, want) if isinstance(out, tuple) else ((out, ), (want, ))
+    return max(refs.rel_err(o, w) for o, w in zip(outs, wants))
+
+
+def _use_kernels(monkeypatch, kernels: dict, calls: dict[str, list]) -> None:
+    """Point the registry's eager entries of `kernels` (op name -> a kernel taking the op's arguments) at the kernels;
+    each call appends the kernel output's ‖Δ‖/‖ref‖ against the reference op on the same inputs to calls[op]."""
     from dsflash.plugins import registry
-    for op in ops:
-        module, fn = KERNELS[op]
-        kernel, ref = getattr(importlib.import_module(f"dsflash.plugins.{module}"), fn), getattr(registry.eager_ops, op)
+    for op, kernel in kernels.items():
+        ref = getattr(registry.eager_ops, op)
 
-        def run(*args, kernel=kernel, ref=ref, op=op):
-            out = kernel(*args)
-            calls[op].append(refs.rel_err(out, ref(*args)))
+        def run(*args, kernel=kernel, ref=ref, op=op, **kw):
+            out = kernel(*args, **kw)
+            calls[op].append(_site_err(out, ref(*args, **kw)))
             return out
         monkeypatch.setattr(registry.eager_ops, op, run)
 
@@ -63,7 +72,7 @@ def test_rope_and_index_kernels_give_the_reference_decode_steps(model, monkeypat
     references' bit for bit (through both ops' kernels in every prefill and decode step)."""
     want = _decode(model)
     calls = {"rope_quant": [], "slot_index_scores": []}
-    _use_kernels(monkeypatch, calls, calls)
+    _use_kernels(monkeypatch, _slot_kernels(calls), calls)
     got = _decode(model)
     n_idx = sum(1 for m in model.modules() if getattr(m, "indexer", None) is not None)
     assert len(calls["slot_index_scores"]) == 6 * n_idx and calls["rope_quant"]
@@ -77,7 +86,7 @@ def test_attention_kernel_in_the_decode_slots(model, monkeypatch):
     tiny random model a 1e-3 change of the attention outputs moves the logits by 10-70 % through the FP4/FP8
     fake-quantization steps.)"""
     calls = {"slot_attention": []}
-    _use_kernels(monkeypatch, calls, calls)
+    _use_kernels(monkeypatch, _slot_kernels(calls), calls)
     _decode(model)
     errs = calls["slot_attention"]
     assert len(errs) == 6 * model.args.n_layers and max(errs) <= 1e-3, max(errs)
@@ -110,29 +119,14 @@ def _mhc_kernels() -> dict:
             "hc_post_pre": lambda X, fx, post, comb, npre, w, eps: mhc.hc_post(X, fx, post, comb, npre, w, eps)}
 
 
-def _site_err(out, want) -> float:
-    """‖Δ‖/‖ref‖ of an op's output (the worst of a tuple's float members; FP8 codes compared as values)."""
-    outs, wants = (out, want) if isinstance(out, tuple) else ((out, ), (want, ))
-    errs = [refs.rel_err(o.float(), w.float()) for o, w in zip(outs, wants) if o.dtype != torch.int32]
-    return max(errs)
-
-
 def test_gemm_moe_mhc_and_wo_a_kernels_in_the_engine_steps(model, monkeypatch):
     """The FP8 linears, the MoE (router, experts: the sorted path in the 17-token prefill, the decode GEMVs in the
     decode step), the mHC row kernels and WO-A, on the engine's own tensors through a prefill of three requests and
     a decode step: each call within the GPU engine tests' site bound (1e-2) of the reference on the same inputs."""
-    from dsflash.plugins import registry
     from dsflash.plugins.wo_a import wo_a
     kernels = {"fp8_linear": _linear_kernel, "moe": _moe_kernel, "wo_a": wo_a, **_mhc_kernels()}
     errs: dict[str, list[float]] = {op: [] for op in kernels}
-    for op, kernel in kernels.items():
-        ref = getattr(registry.eager_ops, op)
-
-        def run(*args, kernel=kernel, ref=ref, op=op, **kw):
-            out = kernel(*args, **kw)
-            errs[op].append(_site_err(out, ref(*args, **kw)))
-            return out
-        monkeypatch.setattr(registry.eager_ops, op, run)
+    _use_kernels(monkeypatch, kernels, errs)
     _decode(model, steps=1, prompts=(9, 3, 5))
     called = {op: len(e) for op, e in errs.items()}
     assert all(called.values()), called
