@@ -6,8 +6,9 @@
   picks there (BF16-dequant, 128 K per iteration), and the plain FP8-MMA config for comparison.
 - `prefill`: the Gluon large-M FP8 GEMM (`fp8_gemm_gluon`, the config the tuner picked at M = 4096 in session 5) on
   wo_b TP1 and wq_a (results: benchmarks/ncu_prefill_h200.json).
-- `moe_sorted`: the MoE's sorted (prefill) path, align + w13 + w2, on one TP8 rank at M = 257 and 1024, default
-  config (16-27 % of copy bandwidth in session 43; `-k 'regex:_moe_align|_moe_w13_kernel|_moe_w2_kernel'`).
+- `moe_sorted`: the MoE's sorted (prefill) path, align + w13 + w2, on one TP8 rank at M = 257 and 1024: the BF16-MMA
+  default (16-27 % of copy bandwidth in session 43; `-k 'regex:_moe_align|_moe_w13_kernel|_moe_w2_kernel'`), then
+  the sm90 default on FP8 tensor cores (`moe_f8`; `-k 'regex:_f8_kernel'`).
 
 On the H200 machine, from the repo root (results: benchmarks/ncu_decode_h200.json, section "Session 4" of README.md):
     ncu --clock-control none --metrics <list in ncu_decode_h200.json> \
@@ -67,12 +68,12 @@ def run_moe_sorted(g: torch.Generator) -> None:
     w13_q, w13_s, w2_q, w2_s = refs.random_mxfp4_experts(E, D, INTER, IPAD, g)
     for m in (257, 1024):
         x = (torch.randn(m, D, device=DEV, generator=g) * 2).to(torch.bfloat16)
-        cfg = M.default_moe_config(m, TOPK, E, IPAD, D)
-        assert not cfg.gemv, cfg.tag()
-        w, ids, xq = M.router(x, gw, bias, TOPK, 1.5, xq_layout=cfg.xq_layout)
-        for _ in range(2):
-            M.moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, 10.0, INTER, None, cfg)
-        torch.cuda.synchronize()
+        for cfg in (M.default_moe_config(m, TOPK, E, IPAD, D), M.default_moe_config(m, TOPK, E, IPAD, D, arch="sm90")):
+            assert not cfg.gemv, cfg.tag()
+            w, ids, xq = M.router(x, gw, bias, TOPK, 1.5, xq_layout=cfg.xq_layout)
+            for _ in range(2):
+                M.moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, 10.0, INTER, None, cfg)
+            torch.cuda.synchronize()
 
 
 PREFILL_CASES = [(5120, 8192), (1280, 5120)]

@@ -213,7 +213,7 @@ def _moe_candidates(bucket: dict) -> list[dict]:
     from dsflash.plugins.moe_config import moe_candidates
     b = bucket
     return [c.to_dict() for c in moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], b.get("ep", 1),
-                                                b.get("qblock", 32))]
+                                                b.get("qblock", 32), "sm90")]   # (tuned on sm90 only: TUNABLE_OPS)
 
 
 class _MoeInputs:

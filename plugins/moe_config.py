@@ -54,12 +54,14 @@ class MoeConfig:
                             # chunks, split13 K slices, `stages` chunks of weights in flight. Neither a default nor a
                             # candidate: 1.05-1.3x slower than the CUDA-core GEMV on the H200 (benchmarks/README.md,
                             # session 20)
+    f8: bool = False        # sorted path on FP8 tensor cores (`moe_f8`: MXFP4 codes re-biased into e4m3 in registers,
+                            # one k32 MMA per 32-block, fp32 promotion per block; sm_89+)
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
         s2 = f"/{self.stages2}" if self.stages2 and self.stages2 != self.stages else ""
         flags = ("_pdl" if self.pdl else "") + ("_pdl2" if self.pdl2 else "") + ("_rows" if self.rows2 else "") \
-            + ("_tc13" if self.tc13 else "") + ("_u13" if self.unroll13 else "")
+            + ("_tc13" if self.tc13 else "") + ("_u13" if self.unroll13 else "") + ("_f8" if self.f8 else "")
         return (f"{kind}_13n{self.bn13}k{self.bk13}w{self.warps}x{self.split13}"
                 f"_2n{self.bn2}k{self.bk2}w{self.warps2}x{self.split2}_s{self.stages}{s2}{flags}")
 
@@ -178,12 +180,21 @@ def for_qblock(cfg: MoeConfig, qblock: int) -> MoeConfig:
     return dataclasses.replace(cfg, bn13=qblock, warps=max(cfg.warps, 8))
 
 
+# The sorted path on FP8 tensor cores (`moe_f8`): 16-token blocks, one chunk loaded ahead in both GEMMs. H100, one
+# TP8 rank and TP1 at M = 257 / 1024 / 4096: 1.13-1.65x faster than the best BF16-MMA tile, 1.5-1.9x than its default
+# (deeper prefetch and wider blocks are slower: registers; benchmarks/moe_f8_s44_h100.json)
+F8_SORTED = MoeConfig(False, 32, 128, 64, 32, 4, 1, 16, 4, f8=True)
+
+
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
-                       qblock: int = 32) -> MoeConfig:
+                       qblock: int = 32, arch: str | None = None) -> MoeConfig:
     """`_default_moe_config` with w13 tiles of whole h quantization blocks (`for_qblock`) and, for narrow experts,
     fp32 sums (`sums_for_width`). A decode w13 widened to 128-blocks has a quarter of the tiles, so it splits K
-    further (up to 16 slices) for the same number of programs."""
+    further (up to 16 slices) for the same number of programs. On arch "sm90" (the running GPU's; None: unknown, as
+    on the CPU) the sorted path runs on FP8 tensor cores where its shapes fit (`F8_SORTED`)."""
     cfg = sums_for_width(for_qblock(_default_moe_config(t, topk, n_experts, inter, dim, ep), qblock), topk, inter)
+    if not cfg.gemv and arch == "sm90" and f8_fits(inter, dim, qblock):
+        return F8_SORTED
     if qblock == 32 or not cfg.gemv:
         return cfg
     pairs = -(-t * topk // ep)
@@ -220,15 +231,20 @@ def _default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int,
 
 
 def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
-                   qblock: int = 32) -> list[MoeConfig]:
+                   qblock: int = 32, arch: str | None = None) -> list[MoeConfig]:
     """Tile candidates the bench and `build` time (the default first): the fp32-accumulating GEMV at the default
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
     row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. Where the default is
-    the sorted path (larger M), its tiles around the default (`_sorted_candidates`). With V4's qblock 128 every w13
-    tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums (`sums_for_width`)."""
-    out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock)]
+    the sorted path (larger M), its tiles around the default (`_sorted_candidates`) and, for V4.1's shapes, the sorted
+    path on FP8 tensor cores (`moe_f8`) at 16- to 64-token blocks. With V4's qblock 128 every w13
+    tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums (`sums_for_width`).
+    arch: the GPU's (`default_moe_config`); the FP8 sorted tiles are offered on "sm90" and where it is unknown (None)."""
+    out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock, arch)]
     out += [sums_for_width(for_qblock(c, qblock), topk, inter)
             for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
+    if not out[0].gemv and arch in (None, "sm90") and f8_fits(inter, dim, qblock):
+        out += [dataclasses.replace(F8_SORTED, block_m=bm, stages=st, stages2=st2)
+                for bm, st, st2 in ((16, 1, 0), (16, 1, 2), (16, 2, 0), (16, 3, 0), (32, 1, 0), (32, 2, 0))]
     if qblock != 32 and out[0].gemv:   # the widened w13 tiles: other K depths and split counts
         d = out[0]
         for bk in (128, 256, 512):
@@ -236,6 +252,11 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
                 c = dataclasses.replace(d, bk13=bk, warps=gemv_warps(2 * d.bn13, bk))
                 out += [dataclasses.replace(c, split13=sp) for sp in (1, 2, 4, 8, 16) if sp <= dim // bk]
     return list(dict.fromkeys(out))
+
+
+def f8_fits(inter_pad: int, dim: int, qblock: int = 32) -> bool:
+    """Shapes `moe_f8` runs: 1×32 blocks of h (V4.1), whole 128-K chunks of D, whole 32-blocks of the intermediate."""
+    return qblock == 32 and dim % 128 == 0 and inter_pad % 32 == 0
 
 
 def _sorted_candidates(d: MoeConfig, inter: int) -> list[MoeConfig]:
@@ -301,8 +322,9 @@ def set_table(entries: dict | None) -> None:
     _moe_table.install(None if entries is None else {k: MoeConfig.from_dict(v) for k, v in entries.items()})
 
 
-def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1, qblock: int = 32) -> MoeConfig:
+def lookup(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1, qblock: int = 32,
+           arch: str | None = None) -> MoeConfig:
     """The config for T tokens: the tuned one of the bucket, else `default_moe_config` (logged once per key)."""
     return _moe_table.get(key_str(n_experts, inter, dim, topk, m_bucket(t), ep, qblock),
-                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep, qblock), MoeConfig.tag,
-                          args=(t, topk, n_experts, inter, dim, ep, qblock))
+                          lambda: default_moe_config(t, topk, n_experts, inter, dim, ep, qblock, arch), MoeConfig.tag,
+                          args=(t, topk, n_experts, inter, dim, ep, qblock, arch))

@@ -88,15 +88,16 @@ _F16_TO_E4M3_ASM = gl.constexpr("{\n.reg .b32 a, b, k;\n.reg .b16 lo, hi;\nmov.b
 
 
 @gluon.jit
-def _a_operand(words):
-    """A block's words [64 rows, 4] (layout _A_WORDS) -> its e4m3 A operand [64, 32]: position 4c + j holds the e4m3
+def _a_operand(words, A_OP: gl.constexpr = _A_OP):
+    """A block's words [64 rows, 4] (layout _A_WORDS) -> its e4m3 A operand [64, 32] (in A_OP: the A operand of an
+    m64nNk32 MMA, any N; `moe_f8` runs N = its token block): position 4c + j holds the e4m3
     of code 8c + 2j (low nibble of byte j of word c, moved up), 16 + 4c + j that of code 8c + 2j + 1 (the high
     nibble)."""
     half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _A_WORDS3)))
     w3 = gl.expand_dims(words, 1)                                                     # [64, 1, 4]
     w3 = gl.where(gl.expand_dims(gl.expand_dims(half, 0), 2) == 0, w3 << 4, w3)       # [64, 2, 4]
     w4 = gl.expand_dims(w3, 3) + gl.zeros([64, 2, 4, 4], gl.int32, _A_WORDS4)         # [64, 2, 4, 4]
-    w = gl.convert_layout(gl.reshape(w4, [64, 32]), _A_OP, assert_trivial=True)
+    w = gl.convert_layout(gl.reshape(w4, [64, 32]), A_OP, assert_trivial=True)
     q = gl.inline_asm_elementwise(_E4M3_ASM, "=r,r,r,r,r", [w], dtype=gl.int8, is_pure=True, pack=4)
     return q.to(gl.float8e4nv, bitcast=True)
 

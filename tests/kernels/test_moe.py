@@ -164,6 +164,8 @@ def test_moe_experts(m, experts, gate):
     # both paths at every M: the decode GEMV and the sorted BF16-MMA path
     cfgs += [MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)] if cfgs[0].gemv else [MoeConfig(True, 32, 128, 128, 64,
                                                                                              2, 4, 16, 2)]
+    # the sorted path on FP8 tensor cores (`moe_f8`), 16- and 32-token blocks
+    cfgs += [MoeConfig(False, 32, 128, 64, 32, 4, 2, bm, 4, f8=True) for bm in (16, 32)]
     # both decode GEMV accumulations (fp32 and f16 in-block), split-K and not, with the Triton w2
     gemv = dataclasses.replace(next(c for c in cfgs if c.gemv), rows2=False, pdl=False)
     cfgs += [dataclasses.replace(gemv, acc16=not gemv.acc16), dataclasses.replace(gemv, acc16=True, split13=3, split2=2)]
@@ -293,6 +295,38 @@ def test_moe_w2_rows(warps, pdl):
     tri = gemv_w2(hp, ids, w2_q, w2_s, shared.clone(), base)
     assert refs.rel_err(out, tri) < 1e-5, refs.rel_err(out, tri)
     assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
+
+
+@pytest.mark.parametrize("bm,depth,depth2", [(16, 1, 1), (16, 2, 3), (32, 3, 2), (64, 1, 1)])
+def test_moe_f8_sorted(bm, depth, depth2):
+    """The sorted path on FP8 tensor cores (`moe_f8`, Gluon: GPU only) against the reference and the BF16 sorted path
+    on the same routing: D = 384 (3 chunks of 128 K: a trip shorter than the pipeline depth at depth 2-3),
+    I = 64 padded to 96 (w13's third tile all padding: h = 0, no weights read; w2 reads 2 of its 4-block chunk's
+    blocks), 70 tokens over 8 experts (top-3: runs of 0-60 pairs, so blocks partly filled and experts
+    with several blocks), out started from the shared expert's output."""
+    from dsflash.plugins.moe import MoeConfig, moe_experts
+    e, d, inter, ipad, topk, m = 8, 384, 64, 96, 3, 70
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, ipad, gen)
+    for half in (0, ipad):
+        w13_q[:, half + inter:half + ipad] = 0
+    w2_q[:, :, inter // 2:] = 0
+    x = _x(m, 700)[:, :d].contiguous()
+    # a skewed routing: expert 0 in most tokens' picks, expert 7 in none
+    ids = torch.stack([torch.randperm(7, device=DEV, generator=gen)[:topk] if t >= m * 3 // 4 else
+                       torch.cat([torch.zeros(1, dtype=torch.long, device=DEV),
+                                  1 + torch.randperm(6, device=DEV, generator=gen)[:topk - 1]])
+                       for t in range(m)]).to(torch.int32)
+    w = torch.rand(m, topk, device=DEV, generator=gen)
+    shared = torch.randn(m, d, device=DEV, generator=gen)
+    ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
+    xq = refs.fp8_fake_quant_ref(x)
+    bf16 = MoeConfig(False, 32, 128, 64, 32, 4, 3, bm, 4)
+    f8 = dataclasses.replace(bf16, f8=True, stages=depth, stages2=depth2)
+    out = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, f8)
+    base = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, bf16)
+    assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
+    assert refs.rel_err(out - shared, base - shared) < 1e-2, refs.rel_err(out - shared, base - shared)
 
 
 @pytest.mark.parametrize("split,depth", [(1, 1), (2, 3), (3, 2)])
@@ -591,6 +625,7 @@ def test_moe_sorted_tiles():
     ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
     cfgs = moe_candidates(m, topk, e, ipad, d)
     assert cfgs[0] == default_moe_config(m, topk, e, ipad, d) and not any(c.gemv for c in cfgs) and len(cfgs) >= 8
+    cfgs = [c for c in cfgs if not c.f8]   # `moe_f8` is Gluon, GPU only (test_moe_f8_sorted)
     xq = refs.fp8_fake_quant_ref(x)
     for cfg in cfgs:
         out = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, cfg)

@@ -309,9 +309,10 @@ def test_moe_buckets_and_candidates():
                                                                   a.num_experts_per_tok, local)
         assert b["inter"] == eng["expert_inter_padded"] >= local and b["inter"] % 32 == 0
         cands = MOE.candidates(b)
-        want = moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"])
+        want = moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], arch="sm90")
         assert [moe_config.MoeConfig.from_dict(c) for c in cands] == want
-        assert cands[0] == moe_config.default_moe_config(b["m"], b["topk"], b["e"], b["inter"], b["d"]).to_dict()
+        assert cands[0] == moe_config.default_moe_config(b["m"], b["topk"], b["e"], b["inter"], b["d"],
+                                                         arch="sm90").to_dict()
     # every decode candidate's w2 K step fits the intermediate (one TP8 rank: 320; TP1: 2304)
     for inter in (320, 2304):
         assert all(c.gemv and c.bk2 <= inter for c in moe_config.moe_candidates(8, 6, 384, inter, 5120))
@@ -321,7 +322,7 @@ def test_moe_buckets_and_candidates():
     for b in ep_buckets:
         assert (b["e"], b["ep"], b["inter_valid"]) == (a.n_routed_experts // 2, 2, a.moe_intermediate_size)
         cands = [moe_config.MoeConfig.from_dict(c) for c in MOE.candidates(b)]
-        assert cands == moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], 2)
+        assert cands == moe_config.moe_candidates(b["m"], b["topk"], b["e"], b["inter"], b["d"], 2, arch="sm90")
     # at EP8 a decode step runs ~1/8 of the pairs: GEMV up to 2 pairs per expert of all 384, split-K for the share
     ep8 = moe_config.default_moe_config(64, 6, 48, 2304, 5120, ep=8)
     assert ep8.gemv and ep8 == moe_config.default_moe_config(8, 6, 384, 2304, 5120)
@@ -582,3 +583,22 @@ def test_gluon_decode_candidates_are_one_resident_wave(n, k):
         assert [c.split_k for c in ring] == [1]
     else:   # up to ~4 programs per SM, at least 2 unless every K stage already has its own program
         assert max(per_sm) <= 4.5 and (max(per_sm) >= 2.0 or max(c.split_k for c in ring) == k // 128), per_sm
+
+
+def test_moe_sorted_path_on_fp8_tensor_cores_by_arch():
+    """The sorted path's default is `moe_f8` (Gluon wgmma) on sm90 where V4.1's shapes fit, the BF16-MMA path
+    elsewhere: off CUDA (arch None: the interpreter), on sm100 (no wgmma), for V4's 1×128 blocks of h. The FP8 tiles
+    are build candidates on sm90 only; the decode path never changes."""
+    f8 = moe_config.F8_SORTED
+    for t, e, inter in ((257, 384, 320), (1024, 384, 2304), (4096, 48, 2304)):
+        assert moe_config.default_moe_config(t, 6, e, inter, 5120, arch="sm90") == f8
+        for arch in (None, "sm100"):
+            assert not moe_config.default_moe_config(t, 6, e, inter, 5120, arch=arch).f8
+        assert not moe_config.default_moe_config(t, 6, e, inter, 4096, qblock=128, arch="sm90").f8
+        sm90 = moe_config.moe_candidates(t, 6, e, inter, 5120, arch="sm90")
+        assert sm90[0] == f8 and sum(c.f8 for c in sm90) >= 5 and len(set(sm90)) == len(sm90)
+        assert not any(c.f8 for c in moe_config.moe_candidates(t, 6, e, inter, 5120, arch="sm100"))
+        assert not any(c.f8 for c in moe_config.moe_candidates(t, 6, e, inter, 4096, qblock=128, arch="sm90"))
+    assert not moe_config.default_moe_config(257, 6, 384, 304, 5120, arch="sm90").f8   # I_pad % 32: no fit
+    for t in (1, 8, 64):
+        assert moe_config.default_moe_config(t, 6, 384, 320, 5120, arch="sm90").gemv
