@@ -4,11 +4,14 @@ Compiles `plugins.moe._moe_w13_kernel` (the prefill path: one expert's block of 
 weights upcast by `tl.dot_scaled`) for sm_90 with this machine's Triton, finds its K loop (the backward branch around
 the most HMMA / HGMMA) and reports the loop's warp instructions and the thread instructions each weight element
 costs: loop × 32 lanes × warps / (2 · BN · BK). With `benchmarks/moe_sorted_upcast_s43.patch` applied, `--upcast`
-compiles the BF16-upcast variant instead. Session 43 (benchmarks/README.md) used it: ~20 per element for
+compiles the BF16-upcast variant instead. `--f8` compiles the FP8 tensor-core path's two Gluon kernels
+(`plugins.moe_f8`, session 44) at `--stages` and `--tiles2` and reports each K loop per 64 × 128 chunk and the
+registers per thread (cuobjdump -res-usage). Session 43 (benchmarks/README.md) used it: ~20 per element for
 `tl.dot_scaled` at the default 32 × 128 tile, 5.2-10.6 for the upcast; the GPU timing then showed the upcast slower,
 so the count is not what bounds that kernel. Triton's version matters: the figures are for the one installed here.
 
     python3 benchmarks/sass_moe_sorted.py [--tiles 32x128w4,64x128w4] [--upcast] [--out f.json]
+    python3 benchmarks/sass_moe_sorted.py --f8 [--stages 2] [--tiles2 4]
 """
 from __future__ import annotations
 
@@ -52,14 +55,67 @@ def loop_mix(bn: int, bk: int, warps: int, block_m: int = 16, stages: int = 3, u
     raise AssertionError("no K loop around HMMA or HGMMA")
 
 
+def f8_mix(stages: int, tiles2: int) -> list[dict]:
+    """`moe_f8`'s w13 and w2 kernels (16-token blocks) for sm_90: each K loop's opcodes (one trip: a 128-K chunk of
+    64 weight rows), thread instructions per weight element, registers per thread."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from dsflash.plugins import moe_f8
+    rows = []
+    for name, box in (("_moe_w13_f8_kernel", 32), ("_moe_w2_f8_kernel", 64)):
+        kern = getattr(moe_f8, name)
+        const = {"BM": 16, "STAGES": stages, "NB_E": 512, **moe_f8._layouts(16)}
+        if "TILES" in kern.arg_names:
+            const.update(TILES=tiles2, SW_WORDS=False)   # one TP8 rank's w2: 10 scale bytes per row
+        ptrs = {"xc_ptr": "*fp8e4nv", "hc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "hs_ptr": "*fp32", "topw_ptr": "*fp32",
+                "out_ptr": "*fp32", "s13_ptr": "*u8", "s2_ptr": "*u8", "sorted_ptr": "*i32", "off_ptr": "*i32",
+                "limit": "fp32", "w_desc": f"tensordesc<i32[{box}, 16],{moe_f8._words_smem()!r}>"}
+        sig = {p: "constexpr" if p in const else ptrs.get(p, "i32") for p in kern.arg_names}
+        ck = triton.compile(GluonASTSource(kern, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+        ops = k_loop(cubin_sass(ck.asm["cubin"]), "QGMMA")
+        rows.append({"kernel": name, "stages": stages, "tiles2": tiles2, "loop_warp_instructions": len(ops),
+                     "thread_instructions_per_weight_element": round(len(ops) * 32 * 4 / (64 * 128), 2),
+                     "registers": _registers(ck.asm["cubin"]), "mix": dict(collections.Counter(ops).most_common(12))})
+    return rows
+
+
+def _registers(cubin: bytes) -> int:
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([str(tool), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", res).group(1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", default="32x128w4,32x128w2,64x128w4,128x128w4",
                     help="w13 tiles <BN>x<BK>w<warps> (BN rows of w1 and of w3)")
     ap.add_argument("--upcast", action="store_true", help="the BF16-upcast variant (its patch applied)")
+    ap.add_argument("--f8", action="store_true", help="the FP8 tensor-core path's kernels (`plugins.moe_f8`)")
+    ap.add_argument("--stages", type=int, default=2, help="--f8: the TMA ring's depth")
+    ap.add_argument("--tiles2", type=int, default=4, help="--f8: w2's 64-row tiles per program")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import triton
+    if a.f8:
+        rows = f8_mix(a.stages, a.tiles2)
+        for r in rows:
+            print(f"{r['kernel']}: {r['loop_warp_instructions']} warp instructions per 128-K chunk, "
+                  f"{r['thread_instructions_per_weight_element']} per weight element, {r['registers']} registers; "
+                  + ", ".join(f"{k} {v}" for k, v in list(r["mix"].items())[:8]))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)
+        return
     rows = []
     for tag in a.tiles.split(","):
         mt = re.fullmatch(r"(\d+)x(\d+)w(\d+)", tag)

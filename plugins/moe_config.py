@@ -54,8 +54,9 @@ class MoeConfig:
                             # chunks, split13 K slices, `stages` chunks of weights in flight. Neither a default nor a
                             # candidate: 1.05-1.3x slower than the CUDA-core GEMV on the H200 (benchmarks/README.md,
                             # session 20)
-    f8: bool = False        # sorted path on FP8 tensor cores (`moe_f8`: MXFP4 codes re-biased into e4m3 in registers,
-                            # one k32 MMA per 32-block, fp32 promotion per block; sm_89+)
+    f8: bool = False        # sorted path on FP8 tensor cores (`moe_f8`, sm90: MXFP4 codes re-biased into e4m3 in
+                            # registers, one k32 wgmma per 32-block, fp32 promotion per block); stages: the TMA ring's
+                            # depth (stages2 for w2), bn2: w2's output rows per program (64 per tile); block_m 16
 
     def tag(self) -> str:
         kind = ("gemv16" if self.acc16 else "gemv") if self.gemv else f"mma_m{self.block_m}"
@@ -180,10 +181,10 @@ def for_qblock(cfg: MoeConfig, qblock: int) -> MoeConfig:
     return dataclasses.replace(cfg, bn13=qblock, warps=max(cfg.warps, 8))
 
 
-# The sorted path on FP8 tensor cores (`moe_f8`): 16-token blocks, one chunk loaded ahead in both GEMMs. H100, one
-# TP8 rank and TP1 at M = 257 / 1024 / 4096: 1.13-1.65x faster than the best BF16-MMA tile, 1.5-1.9x than its default
-# (deeper prefetch and wider blocks are slower: registers; benchmarks/moe_f8_s44_h100.json)
-F8_SORTED = MoeConfig(False, 32, 128, 64, 32, 4, 1, 16, 4, f8=True)
+# The sorted path on FP8 tensor cores (`moe_f8`): 16-token blocks, 2 TMA stages of weights, 256 output rows per w2
+# program: the best or within 1 % of it at one TP8 rank and TP1, M = 257 / 1024 / 4096, 2.0-2.4x the BF16-MMA
+# default (H100, benchmarks/moe_f8_tma_s44_h100.json)
+F8_SORTED = MoeConfig(False, 32, 128, 256, 32, 4, 2, 16, 4, f8=True)
 
 
 def default_moe_config(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: int = 1,
@@ -236,15 +237,15 @@ def moe_candidates(t: int, topk: int, n_experts: int, inter: int, dim: int, ep: 
     tiles and at the previous default tiles, other f16 tilings, other split-K counts; for a short intermediate the
     row-per-thread w2 at other warp counts and the Triton w2 tiles it replaced as the default. Where the default is
     the sorted path (larger M), its tiles around the default (`_sorted_candidates`) and, for V4.1's shapes, the sorted
-    path on FP8 tensor cores (`moe_f8`) at 16- to 64-token blocks. With V4's qblock 128 every w13
+    path on FP8 tensor cores (`moe_f8`) at other ring depths and w2 widths. With V4's qblock 128 every w13
     tile is widened to whole 128-blocks of h (`for_qblock`). Narrow experts get no f16 sums (`sums_for_width`).
     arch: the GPU's (`default_moe_config`); the FP8 sorted tiles are offered on "sm90" and where it is unknown (None)."""
     out = [default_moe_config(t, topk, n_experts, inter, dim, ep, qblock, arch)]
     out += [sums_for_width(for_qblock(c, qblock), topk, inter)
             for c in _moe_candidates(t, topk, n_experts, inter, dim, ep)]
     if not out[0].gemv and arch in (None, "sm90") and f8_fits(inter, dim, qblock):
-        out += [dataclasses.replace(F8_SORTED, block_m=bm, stages=st, stages2=st2)
-                for bm, st, st2 in ((16, 1, 0), (16, 1, 2), (16, 2, 0), (16, 3, 0), (32, 1, 0), (32, 2, 0))]
+        out += [dataclasses.replace(F8_SORTED, stages=st, bn2=bn2)
+                for st, bn2 in ((3, 256), (4, 256), (3, 64), (3, 512), (3, 1280), (4, 640))]
     if qblock != 32 and out[0].gemv:   # the widened w13 tiles: other K depths and split counts
         d = out[0]
         for bk in (128, 256, 512):

@@ -5,19 +5,24 @@ Why: `moe._moe_w13_kernel` (`tl.dot_scaled`: e2m1 -> BF16 in registers, BF16 MMA
 one TP8 rank at M = 1024 its w13 runs at 66 % issue activity with 40 % of its samples on PRMT and 15 % on SEL, and
 the path reaches 18-27 % of copy bandwidth (H100, benchmarks/README.md, "Session 44"). Plain Triton did not give a
 cheaper loop: an FP8 `tl.dot` fed by the same re-bias compiled to ~10 instructions per weight element (byte loads
-and repacking around the layout conversions). Here the layouts are chosen: the weight words go to the A-operand
-layout by one in-warp transpose per 128-K chunk and one 3-op re-bias per word (`moe_tc._a_operand`, the decode
-experiment of session 20, whose structure was latency-bound at one token and is not at a block of tokens).
+and repacking around the layout conversions). Here the layouts are chosen: the weight words reach the A-operand
+layout straight from shared memory (ldmatrix) and cost one 3-op re-bias per word (`moe_tc._a_operand`, the decode
+experiment of session 20, whose structure was latency-bound at one token and is not at a block of tokens). This
+path is 2.0-2.4x the BF16-MMA one's default at one TP8 rank and TP1, M = 257 / 1024 / 4096 (H100).
 
-A program: BM slots of one expert's padded run (`moe.moe_align`) × 64 MMA rows, K in chunks of 4 blocks, DEPTH
-chunks of weights, scales and activations in registers ahead of the MMAs; each chunk's activation tile is stored to
-one of two shared buffers, the 4 MMAs are issued before one wait, and each block's product is folded into the fp32
-total with 2^(e_w - 127)·2^6 (the re-bias) × the token's block scale.
-- w13: 32 rows of w1 and the same 32 of w3 (tile row 16w + q: w1 row 8w + q for q < 8, else w3 row 8w + q - 8, so
-  that a thread holds g and u of one row); epilogue: clipped SwiGLU, × routing weight, BF16, FP8 1×32 quant (the
-  tile's 32 rows are one block) -> h as e4m3 codes [slots, I_pad] and block scales [slots, I_pad/32].
-- w2: 64 output rows over the logical intermediate's blocks, fp32 atomically added into the output (which holds the
-  shared expert's output).
+A program: BM slots of one expert's padded run (`moe.moe_align`) × 64 MMA rows, K in chunks of 4 blocks. The weight
+words come by TMA through a ring of STAGES slots (refilled as soon as every warp has read its slot); the rows'
+scales and the tokens' codes are loaded a chunk ahead into registers, the tokens' block scales at the chunk's start
+(a chunk ahead they cost 16 registers and the occupancy). Each chunk's activation tile is stored to one of two
+shared buffers; its 4 MMAs run two at a time (two partials live: 122 registers, 4 CTAs per SM), and each block's
+product is folded into the fp32 total with 2^(e_w - 127)·2^6 (the re-bias) × the token's block scale.
+- w13: 32 rows of w1 and the same 32 of w3, two TMA boxes, interleaved on reading (MMA row 16w + 8h + q is row
+  8w + q of w1 (h = 0) or w3 (h = 1), so that a thread holds g and u of one row); epilogue: clipped SwiGLU,
+  × routing weight, BF16, FP8 1×32 quant (the tile's 32 rows are one block) -> h as e4m3 codes [slots, I_pad] and
+  block scales [slots, I_pad/32].
+- w2: TILES 64-row tiles of the output per program in one ring (the block's setup and h read once per program; on
+  one TP8 rank a tile is only 3 chunks), each tile fp32 atomically added into the output (which holds the shared
+  expert's output); the blocks past the logical intermediate are not read.
 The activations' codes are read in `_a_operand`'s order within each 32-block: its 16 even codes, then its 16 odd
 ones (`even_odd`; w13 writes h so).
 
@@ -28,22 +33,31 @@ blocks of h); D % 128 == 0, I_pad % 32 == 0; sm_90 (wgmma). Imports Triton's Glu
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.act_quant import act_quant
 from dsflash.plugins.moe import moe_align
 from dsflash.plugins.moe_config import MoeConfig, f8_fits
-from dsflash.plugins.moe_tc import _A_WORDS, _ROW4, _W_NAT, _W_T, _a_operand
+from dsflash.plugins.moe_tc import _A_WORDS, _ROW4, _W_T, _a_operand
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 
 _FLAT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # the epilogue's [32 rows, BM] tile: a warp's lanes along the rows (one block's amax per column is a warp reduction)
 _EPI = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1]))
 _THREAD_BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier   # the name Triton 3.6 / 3.8 gives it
+# one 32-row box of weight words [32, 16] read as half of `moe_tc._W_T` (its row bit 8 is the box: w1 or w3)
+_HALF_T = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]],
+    block_bases=[], shape=[32, 16]))
 
 
 def _layouts(bm: int) -> dict:
@@ -63,68 +77,94 @@ def _block_expert(off_ptr, E, start, NB_E: gl.constexpr):
 
 
 @gluon.jit
-def _load_chunk(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, kbv, ch):
-    """Chunk ch (128 K) of the first kbv blocks: the rows' words [64, 16] (_W_NAT), their 4 block scales [64, 4]
-    (e8m0 bytes, _ROW4), the tokens' codes [BM, 128] (X_REG, rows xrow) and their 4 block scales ([BM] each, the
-    MMA's columns vc; stored × 2^6, the re-bias of the weight codes); what lies past block kbv reads as 0."""
-    words = gl.load(w_at + ch * 16, mask=ch * 16 + wc < kbv * 4, other=0)
-    sw = gl.load(s_at + ch * 4, mask=ch * 4 + sc < kbv, other=0)
+def _load_act(s_at, sc, x_at, xk, xrow, kbv, ch, SW_WORDS: gl.constexpr):
+    """Chunk ch (128 K) of the first kbv blocks, what is loaded a chunk ahead besides the weight words: the rows' 4
+    block scales (one int32 word per row [64] when SW_WORDS, else e8m0 bytes [64, 4], _ROW4) and the tokens' codes
+    [BM, 128] (X_REG, rows xrow); what lies past block kbv reads as 0."""
+    if SW_WORDS:
+        sw = gl.load((s_at + ch * 4).to(gl.pointer_type(gl.int32)), mask=ch * 4 < kbv, other=0)
+    else:
+        sw = gl.load(s_at + ch * 4, mask=ch * 4 + sc < kbv, other=0)
     xr = gl.load(x_at + ch * 128, mask=xrow & (ch * 128 + xk < kbv * 32), other=0.0)
+    return sw, xr
+
+
+@gluon.jit
+def _load_xs(xs_at, vc, kbv, ch):
+    """The tokens' 4 block scales of chunk ch ([BM] each, the MMA's columns vc; stored × 2^6, the re-bias of the
+    weight codes), 0 past block kbv. Loaded at the chunk's start, used after its MMAs: a chunk ahead they would hold
+    16 more registers per thread (each thread's 4 columns × 4 blocks) and cost the kernel occupancy."""
     x0 = gl.load(xs_at + ch * 4, mask=vc & (ch * 4 < kbv), other=0.0)
     x1 = gl.load(xs_at + ch * 4 + 1, mask=vc & (ch * 4 + 1 < kbv), other=0.0)
     x2 = gl.load(xs_at + ch * 4 + 2, mask=vc & (ch * 4 + 2 < kbv), other=0.0)
     x3 = gl.load(xs_at + ch * 4 + 3, mask=vc & (ch * 4 + 3 < kbv), other=0.0)
-    return words, sw, xr, (x0, x1, x2, x3)
+    return x0, x1, x2, x3
 
 
 @gluon.jit
-def _chunk_mma(ring, buf, tot, zero, MMA: gl.constexpr):
-    """tot [64, BM] + the 4 blocks of one chunk: its activation tile into `buf` (a barrier and the proxy fence before
-    the MMAs read it), the words transposed in-warp to the A-operand layout (`moe_tc._chunk_mma`), one MMA per block,
-    all issued before one wait, then each folded with its row scale × column scale."""
-    words, sw, xr, xs = ring
-    buf.store(xr)
-    _THREAD_BARRIER()
-    fence_async_shared()
+def _issue_words(w_desc, w_bufs, ready, slot, row_a, row_b, ch, ok, HALVES: gl.constexpr):
+    """TMA of chunk ch's weight words into ring slot `slot` (signalling ready[slot]): one box of 64 rows from row_a,
+    or (HALVES 2: w13) two boxes of 32 rows, from row_a (w1) and row_b (w3); nothing when not ok."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, HALVES * w_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [row_a, ch * 16], bar, w_bufs.index(slot * HALVES), pred=ok)
+    if HALVES == 2:
+        tma.async_copy_global_to_shared(w_desc, [row_b, ch * 16], bar, w_bufs.index(slot * 2 + 1), pred=ok)
+
+
+@gluon.jit
+def _slot_words(w_bufs, slot, HALVES: gl.constexpr):
+    """Ring slot `slot`'s words as [64 MMA rows, 16] in _W_T (word c of each block per lane: `_a_operand`'s input).
+    w13's two 32-row boxes interleave: MMA row 16w + 8h + q is row 8w + q of box h (w1: h = 0, w3: h = 1)."""
+    if HALVES == 2:
+        h0 = w_bufs.index(slot * 2).load(_HALF_T)
+        h1 = w_bufs.index(slot * 2 + 1).load(_HALF_T)
+        w = gl.reshape(gl.permute(gl.reshape(gl.join(h0, h1), [4, 8, 16, 2]), [0, 3, 1, 2]), [64, 16])
+        return gl.convert_layout(w, _W_T, assert_trivial=True)
+    else:
+        return w_bufs.index(slot).load(_W_T)
+
+
+@gluon.jit
+def _chunk_mma(wt, sw, xs, buf, tot, zero, MMA: gl.constexpr, SW_WORDS: gl.constexpr):
+    """tot [64, BM] + the 4 blocks of one chunk (its activation tile already in `buf`): one MMA per block with the
+    words re-biased into the A operand (`moe_tc._a_operand`), two in flight per wait, each folded with its row scale
+    × column scale. (All four before one wait held four partials: 145 registers, 3 CTAs per SM instead of 4.)"""
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    wt = gl.convert_layout(words, _W_T)
     b0, b1, b2, b3 = split4(gl.reshape(gl.permute(gl.reshape(wt, [64, 4, 4]), [0, 2, 1]), [64, 4, 2, 2]))
     blocks = (b0, b1, b2, b3)
-    parts = ()
-    for kk in gl.static_range(4):
-        a = _a_operand(gl.convert_layout(blocks[kk], _A_WORDS, assert_trivial=True), A_OP)
-        b = buf.slice(kk * 32, 32, dim=1).permute((1, 0))
-        parts = parts + (warpgroup_mma(a, b, zero, use_acc=False, is_async=True), )
-    s0, s1, s2, s3 = split4(gl.reshape(e8m0_to_f32(sw), [64, 2, 2]))
-    scs = (s0, s1, s2, s3)
-    parts = warpgroup_mma_wait(0, deps=parts)
-    for kk in gl.static_range(4):
-        s_kk = gl.convert_layout(scs[kk], gl.SliceLayout(1, MMA), assert_trivial=True)
-        tot = tot + parts[kk] * (gl.expand_dims(s_kk, 1) * gl.expand_dims(xs[kk], 0))
+    if SW_WORDS:
+        scs = (e8m0_to_f32(sw & 255), e8m0_to_f32((sw >> 8) & 255), e8m0_to_f32((sw >> 16) & 255),
+               e8m0_to_f32((sw >> 24) & 255))
+    else:
+        s0, s1, s2, s3 = split4(gl.reshape(e8m0_to_f32(sw), [64, 2, 2]))
+        scs = (s0, s1, s2, s3)
+    for h in gl.static_range(0, 4, 2):
+        parts = ()
+        for kk in gl.static_range(h, h + 2):
+            a = _a_operand(gl.convert_layout(blocks[kk], _A_WORDS, assert_trivial=True), A_OP)
+            b = buf.slice(kk * 32, 32, dim=1).permute((1, 0))
+            parts = parts + (warpgroup_mma(a, b, zero, use_acc=False, is_async=True), )
+        parts = warpgroup_mma_wait(0, deps=parts)
+        for kk in gl.static_range(h, h + 2):
+            s_kk = gl.convert_layout(scs[kk], gl.SliceLayout(1, MMA), assert_trivial=True)
+            tot = tot + parts[kk - h] * (gl.expand_dims(s_kk, 1) * gl.expand_dims(xs[kk], 0))
     return tot
 
 
 @gluon.jit
-def _sorted_dots(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, kbv, n_ch, x_s, BM: gl.constexpr,
-                 DEPTH: gl.constexpr, MMA: gl.constexpr):
-    """[64, BM] fp32: the program's n_ch chunks (`_load_chunk`'s operands), DEPTH of them loaded ahead (a load past
-    the last chunk re-reads it)."""
-    last = gl.maximum(n_ch - 1, 0)
-    zero = gl.zeros([64, BM], gl.float32, MMA)
-    tot = zero
-    ring = ()
-    for d in gl.static_range(DEPTH):
-        ring = ring + (_load_chunk(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, kbv, gl.minimum(d, last)), )
-    for i0 in range(0, n_ch, DEPTH):
-        nring = ()
-        for d in gl.static_range(DEPTH):
-            i = i0 + d
-            if i < n_ch:
-                tot = _chunk_mma(ring[d], x_s.index(i % 2), tot, zero, MMA)
-            nring = nring + (_load_chunk(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, kbv,
-                                         gl.minimum(i + DEPTH, last)), )
-        ring = nring
-    return tot
+def _step(w_bufs, ready, x_s, j, act, STAGES: gl.constexpr, HALVES: gl.constexpr):
+    """Step j of a program's ring up to its MMAs: wait for slot j % STAGES, read its words, stage the activation
+    tile in buffer j % 2 (then a barrier, after which every warp is past step j - 1's MMAs and has read slot j's
+    words, so the caller may refill the slot, and the proxy fence). Returns (words, buffer, slot)."""
+    slot = j % STAGES
+    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    wt = _slot_words(w_bufs, slot, HALVES)
+    buf = x_s.index(j % 2)
+    buf.store(act[1])
+    _THREAD_BARRIER()
+    fence_async_shared()
+    return wt, buf, slot
 
 
 @gluon.jit
@@ -136,39 +176,57 @@ def _slot_tokens(sorted_ptr, start, P, TOPK, BM: gl.constexpr, layout: gl.conste
     return slots, pair, valid, gl.where(valid, pair // TOPK, 0).to(gl.int64)
 
 
+@gluon.jit
+def _ring(w_desc, BROWS: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+          X_SMEM: gl.constexpr):
+    """The program's shared memory: STAGES slots of HALVES weight boxes [BROWS, 16 words], their barriers, and two
+    activation buffers [BM, 128] e4m3."""
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, BROWS, 16], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    x_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, 128], X_SMEM)
+    return w_bufs, ready, x_s
+
+
 # -- w1/w3 + clipped SwiGLU + routing weight + BF16 + FP8 quant -> h as codes and block scales ------------------------
 @gluon.jit
-def _moe_w13_f8_kernel(xc_ptr, xs_ptr, w13_ptr, s13_ptr, hc_ptr, hs_ptr, sorted_ptr, off_ptr, topw_ptr,
+def _moe_w13_f8_kernel(w_desc, xc_ptr, xs_ptr, s13_ptr, hc_ptr, hs_ptr, sorted_ptr, off_ptr, topw_ptr,
                        N, N_VALID, K, E, P, TOPK, limit,
-                       BM: gl.constexpr, DEPTH: gl.constexpr, NB_E: gl.constexpr,
+                       BM: gl.constexpr, STAGES: gl.constexpr, NB_E: gl.constexpr,
                        MMA: gl.constexpr, X_REG: gl.constexpr, X_SMEM: gl.constexpr):
     pid_n = gl.program_id(1)
     start = gl.program_id(0) * BM
     if start >= gl.load(off_ptr + E):
         return
-    e = _block_expert(off_ptr, E, start, NB_E).to(gl.int64)
-    K8 = K // 8
+    e = _block_expert(off_ptr, E, start, NB_E)
     KB = K // 32
-    r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, _W_NAT)), 1)
-    q = r % 16
-    wrow = (q // 8) * N + pid_n * 32 + (r // 16) * 8 + q % 8
-    wc = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, _W_NAT)), 0) + r * 0             # [64, 16]
-    w_at = w13_ptr + e * 2 * N * K8 + wrow * K8 + wc
-    rs = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW4)), 1)
+    # a tile wholly past the logical width (a TP rank's zero padding) reads no weights and stores h = 0
+    n_ch = gl.where(pid_n * 32 >= N_VALID, 0, K // 128)
+    row_a = e * 2 * N + pid_n * 32
+    w_bufs, ready, x_s = _ring(w_desc, 32, 2, STAGES, BM, X_SMEM)
+    for s in gl.static_range(STAGES):
+        _issue_words(w_desc, w_bufs, ready, s, row_a, row_a + N, s, s < n_ch, 2)
+    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW4))
     qs = rs % 16
-    srow = (qs // 8) * N + pid_n * 32 + (rs // 16) * 8 + qs % 8
-    sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, _ROW4)), 0) + rs * 0              # [64, 4]
-    s_at = s13_ptr + e * 2 * N * KB + srow * KB + sc
+    srow = (qs // 8) * N + pid_n * 32 + (rs // 16) * 8 + qs % 8      # the MMA rows' w1 / w3 rows
+    s_at = s13_ptr + e.to(gl.int64) * 2 * N * KB + srow * KB
     _, _, vr, tr = _slot_tokens(sorted_ptr, start, P, TOPK, BM, gl.SliceLayout(1, X_REG))
     xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, X_REG)), 0) + gl.expand_dims(tr * 0, 1)
     x_at = xc_ptr + gl.expand_dims(tr * K, 1) + xk
     xrow = gl.expand_dims(vr, 1) & (xk >= 0)
     slots, pair, vc, tc = _slot_tokens(sorted_ptr, start, P, TOPK, BM, gl.SliceLayout(0, MMA))
     xs_at = xs_ptr + tc * KB
-    x_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, 128], X_SMEM)
-    # a tile wholly past the logical width (a TP rank's zero padding) reads no weights and stores h = 0
-    n_ch = gl.where(pid_n * 32 >= N_VALID, 0, K // 128)
-    tot = _sorted_dots(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, KB, n_ch, x_s, BM, DEPTH, MMA)
+    zero = gl.zeros([64, BM], gl.float32, MMA)
+    tot = zero
+    nxt = _load_act(s_at, rs, x_at, xk, xrow, KB, 0, True)
+    for j in range(n_ch):
+        act = nxt
+        xs = _load_xs(xs_at, vc, KB, j)
+        nxt = _load_act(s_at, rs, x_at, xk, xrow, KB, gl.minimum(j + 1, n_ch - 1), True)
+        wt, buf, slot = _step(w_bufs, ready, x_s, j, act, STAGES, 2)
+        _issue_words(w_desc, w_bufs, ready, slot, row_a, row_a + N, j + STAGES, j + STAGES < n_ch, 2)
+        tot = _chunk_mma(wt, act[0], xs, buf, tot, zero, MMA, True)
     # rows 16w + q: q < 8 -> g of row 8w + q, else u of row 8w + q - 8 (the same thread's register pair)
     g, u = gl.split(gl.permute(gl.reshape(tot, [4, 2, 8, BM]), [0, 2, 3, 1]))
     g = gl.convert_layout(gl.reshape(g, [32, BM]), _EPI)
@@ -194,36 +252,73 @@ def _moe_w13_f8_kernel(xc_ptr, xs_ptr, w13_ptr, s13_ptr, hc_ptr, hs_ptr, sorted_
 
 # -- w2 + weighted reduction into the shared-expert output ------------------------------------------------------------
 @gluon.jit
-def _moe_w2_f8_kernel(hc_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, sorted_ptr, off_ptr,
+def _moe_w2_f8_kernel(w_desc, hc_ptr, hs_ptr, s2_ptr, out_ptr, sorted_ptr, off_ptr,
                       D, K, KB_VALID, E, P, TOPK,
-                      BM: gl.constexpr, DEPTH: gl.constexpr, NB_E: gl.constexpr,
-                      MMA: gl.constexpr, X_REG: gl.constexpr, X_SMEM: gl.constexpr):
+                      BM: gl.constexpr, STAGES: gl.constexpr, TILES: gl.constexpr, NB_E: gl.constexpr,
+                      SW_WORDS: gl.constexpr, MMA: gl.constexpr, X_REG: gl.constexpr, X_SMEM: gl.constexpr):
+    """TILES consecutive 64-row tiles of the output per program, one ring over all their chunks (the block's
+    slots, tokens and h read once per program; its h chunks again per tile, from cache)."""
     pid_n = gl.program_id(1)
     start = gl.program_id(0) * BM
     if start >= gl.load(off_ptr + E):
         return
-    e = _block_expert(off_ptr, E, start, NB_E).to(gl.int64)
-    K8 = K // 8
+    e = _block_expert(off_ptr, E, start, NB_E)
     KB = K // 32
-    r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, _W_NAT)), 1)
-    wc = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, _W_NAT)), 0) + r * 0             # [64, 16]
-    w_at = w2_ptr + e * D * K8 + (pid_n * 64 + r) * K8 + wc
+    n_ch = (KB_VALID + 3) // 4    # the blocks past the logical intermediate hold h = 0: not read (tail masked)
+    n_steps = TILES * n_ch
+    row0 = e * D + pid_n * TILES * 64
+    w_bufs, ready, x_s = _ring(w_desc, 64, 1, STAGES, BM, X_SMEM)
+    for s in gl.static_range(STAGES):
+        ts = s // n_ch
+        _issue_words(w_desc, w_bufs, ready, s, row0 + ts * 64, 0, s - ts * n_ch, s < n_steps, 1)
     rs = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW4)), 1)
     sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, _ROW4)), 0) + rs * 0              # [64, 4]
-    s_at = s2_ptr + e * D * KB + (pid_n * 64 + rs) * KB + sc
+    if SW_WORDS:
+        s_at = s2_ptr + e.to(gl.int64) * D * KB + (pid_n * TILES * 64 + gl.arange(0, 64, layout=gl.SliceLayout(
+            1, _ROW4))) * KB
+    else:
+        s_at = s2_ptr + e.to(gl.int64) * D * KB + (pid_n * TILES * 64 + rs) * KB + sc
     slots_r, _, vr, _ = _slot_tokens(sorted_ptr, start, P, TOPK, BM, gl.SliceLayout(1, X_REG))
     xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, X_REG)), 0) + gl.expand_dims(slots_r * 0, 1)
     x_at = hc_ptr + gl.expand_dims(slots_r.to(gl.int64) * K, 1) + xk
     xrow = gl.expand_dims(vr, 1) & (xk >= 0)
     slots, pair, vc, tc = _slot_tokens(sorted_ptr, start, P, TOPK, BM, gl.SliceLayout(0, MMA))
     xs_at = hs_ptr + slots.to(gl.int64) * KB
-    x_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, 128], X_SMEM)
-    # the blocks past the logical intermediate hold h = 0: not read (the last chunk's tail masked)
-    n_ch = (KB_VALID + 3) // 4
-    tot = _sorted_dots(w_at, wc, s_at, sc, x_at, xk, xrow, xs_at, vc, KB_VALID, n_ch, x_s, BM, DEPTH, MMA)
-    rows = gl.expand_dims(pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA)), 1)
-    gl.atomic_add(out_ptr + gl.expand_dims(tc * D, 0) + rows, tot, mask=gl.expand_dims(vc, 0) & (rows < D),
-                  sem="relaxed")
+    rows = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, MMA)), 1)
+    o_at = out_ptr + gl.expand_dims(tc * D, 0) + pid_n * TILES * 64 + rows
+    omask = gl.expand_dims(vc, 0) & (rows >= 0)
+    zero = gl.zeros([64, BM], gl.float32, MMA)
+    tot = zero
+    nxt = _load_act(s_at, sc, x_at, xk, xrow, KB_VALID, 0, SW_WORDS)
+    t = 0           # the step's tile and chunk (counters: a division per step costs more than the bookkeeping)
+    ch = 0
+    t1 = 0          # the next step's, whose scales and h chunk are loaded a step ahead
+    ch1 = 0
+    t2 = STAGES // n_ch        # the step STAGES ahead, whose words the freed slot receives
+    ch2 = STAGES - t2 * n_ch
+    for j in range(n_steps):
+        act = nxt
+        xs = _load_xs(xs_at, vc, KB_VALID, ch)
+        if j + 1 < n_steps:
+            ch1 += 1
+            if ch1 == n_ch:
+                ch1 = 0
+                t1 += 1
+        nxt = _load_act(s_at + t1 * 64 * KB, sc, x_at, xk, xrow, KB_VALID, ch1, SW_WORDS)
+        wt, buf, slot = _step(w_bufs, ready, x_s, j, act, STAGES, 1)
+        _issue_words(w_desc, w_bufs, ready, slot, row0 + t2 * 64, 0, ch2, j + STAGES < n_steps, 1)
+        ch2 += 1
+        if ch2 == n_ch:
+            ch2 = 0
+            t2 += 1
+        tot = _chunk_mma(wt, act[0], xs, buf, tot, zero, MMA, SW_WORDS)
+        if ch == n_ch - 1:   # the tile's last chunk: add it into the output, start the next tile
+            gl.atomic_add(o_at + t * 64, tot, mask=omask, sem="relaxed")
+            tot = zero
+        ch += 1
+        if ch == n_ch:
+            ch = 0
+            t += 1
 
 
 def even_odd(codes: torch.Tensor) -> torch.Tensor:
@@ -241,7 +336,7 @@ def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     exactly); the weights as `moe_experts` takes them (shapes checked there)."""
     t, d = xq.shape
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
-    assert cfg.f8 and not cfg.gemv and cfg.block_m in (16, 32, 64), cfg.tag()
+    assert cfg.f8 and not cfg.gemv and cfg.block_m in (16, 32, 64) and cfg.stages >= 1, cfg.tag()
     assert f8_fits(ipad, d, qblock), f"moe_f8: D={d} (% 128), I_pad={ipad} (% 32), qblock={qblock} (32)"
     assert xq.dtype == torch.bfloat16 and out.shape == (t, d) and out.dtype == torch.float32 and out.is_contiguous()
     topk, bm = ids.shape[1], cfg.block_m
@@ -253,12 +348,25 @@ def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     hc = torch.empty((sorted_ids.numel(), ipad), dtype=torch.float8_e4m3fn, device=xq.device)
     hs = torch.empty((sorted_ids.numel(), ipad // 32), dtype=torch.float32, device=xq.device)
     lay = _layouts(bm)
+    k8, i8 = d // 8, ipad // 8
+    w13_desc = TensorDescriptor(w13_q.view(torch.int32).view(e * 2 * ipad, k8), [e * 2 * ipad, k8], [k8, 1], [32, 16],
+                                _words_smem())
+    w2_desc = TensorDescriptor(w2_q.view(torch.int32).view(e * d, i8), [e * d, i8], [i8, 1], [64, 16], _words_smem())
     _moe_w13_f8_kernel[(nblk, ipad // 32)](
-        xc, xs, w13_q.view(torch.int32), w13_s.view(torch.uint8), hc, hs, sorted_ids, off, weights,
+        w13_desc, xc, xs, w13_s.view(torch.uint8), hc, hs, sorted_ids, off, weights,
         ipad, inter, d, e, t * topk, topk, float(swiglu_limit),
-        BM=bm, DEPTH=cfg.stages, NB_E=nb, num_warps=4, **lay)
-    _moe_w2_f8_kernel[(nblk, triton.cdiv(d, 64))](
-        hc, hs, w2_q.view(torch.int32), w2_s.view(torch.uint8), out, sorted_ids, off,
+        BM=bm, STAGES=cfg.stages, NB_E=nb, num_warps=4, **lay)
+    tiles = math.gcd(max(1, cfg.bn2 // 64), d // 64)
+    _moe_w2_f8_kernel[(nblk, d // (64 * tiles))](
+        w2_desc, hc, hs, w2_s.view(torch.uint8), out, sorted_ids, off,
         d, ipad, triton.cdiv(inter, 32), e, t * topk, topk,
-        BM=bm, DEPTH=cfg.stages2 or cfg.stages, NB_E=nb, num_warps=4, **lay)
+        BM=bm, STAGES=cfg.stages2 or cfg.stages, TILES=tiles, NB_E=nb, SW_WORDS=(ipad // 32) % 4 == 0, num_warps=4,
+        **lay)
     return out
+
+
+@functools.cache
+def _words_smem():
+    """The weight boxes' shared layout: rows of 16 words (64 bytes), 64-byte swizzle (fewer bank conflicts for the
+    in-warp word reads of `_slot_words`)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)

@@ -164,8 +164,9 @@ def test_moe_experts(m, experts, gate):
     # both paths at every M: the decode GEMV and the sorted BF16-MMA path
     cfgs += [MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)] if cfgs[0].gemv else [MoeConfig(True, 32, 128, 128, 64,
                                                                                              2, 4, 16, 2)]
-    # the sorted path on FP8 tensor cores (`moe_f8`), 16- and 32-token blocks
-    cfgs += [MoeConfig(False, 32, 128, 64, 32, 4, 2, bm, 4, f8=True) for bm in (16, 32)]
+    # the sorted path on FP8 tensor cores (`moe_f8`): its default, and 2 stages with one 64-row tile per w2 program
+    from dsflash.plugins.moe_config import F8_SORTED
+    cfgs += [F8_SORTED, dataclasses.replace(F8_SORTED, stages=2, bn2=64)]
     # both decode GEMV accumulations (fp32 and f16 in-block), split-K and not, with the Triton w2
     gemv = dataclasses.replace(next(c for c in cfgs if c.gemv), rows2=False, pdl=False)
     cfgs += [dataclasses.replace(gemv, acc16=not gemv.acc16), dataclasses.replace(gemv, acc16=True, split13=3, split2=2)]
@@ -297,10 +298,11 @@ def test_moe_w2_rows(warps, pdl):
     assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
 
 
-@pytest.mark.parametrize("bm,depth,depth2", [(16, 1, 1), (16, 2, 3), (32, 3, 2), (64, 1, 1)])
-def test_moe_f8_sorted(bm, depth, depth2):
+@pytest.mark.parametrize("stages,stages2,bn2", [(1, 0, 64), (2, 3, 128), (3, 0, 384), (4, 2, 192)])
+def test_moe_f8_sorted(stages, stages2, bn2):
     """The sorted path on FP8 tensor cores (`moe_f8`, Gluon: GPU only) against the reference and the BF16 sorted path
-    on the same routing: D = 384 (3 chunks of 128 K: a trip shorter than the pipeline depth at depth 2-3),
+    on the same routing, at TMA ring depths 1-4 and 1-6 output tiles per w2 program: D = 384 (3 chunks of 128 K,
+    fewer than the deeper rings' stages),
     I = 64 padded to 96 (w13's third tile all padding: h = 0, no weights read; w2 reads 2 of its 4-block chunk's
     blocks), 70 tokens over 8 experts (top-3: runs of 0-60 pairs, so blocks partly filled and experts
     with several blocks), out started from the shared expert's output."""
@@ -321,8 +323,8 @@ def test_moe_f8_sorted(bm, depth, depth2):
     shared = torch.randn(m, d, device=DEV, generator=gen)
     ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, ipad), w2_q, w2_s, LIMIT, inter, shared)
     xq = refs.fp8_fake_quant_ref(x)
-    bf16 = MoeConfig(False, 32, 128, 64, 32, 4, 3, bm, 4)
-    f8 = dataclasses.replace(bf16, f8=True, stages=depth, stages2=depth2)
+    bf16 = MoeConfig(False, 32, 128, 64, 32, 4, 3, 16, 4)
+    f8 = dataclasses.replace(bf16, f8=True, stages=stages, stages2=stages2, bn2=bn2)
     out = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, f8)
     base = moe_experts(xq, w, ids, w13_q, w13_s, w2_q, w2_s, LIMIT, inter, shared, bf16)
     assert refs.rel_err(out, ref) < 1e-2, refs.rel_err(out, ref)
