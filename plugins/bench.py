@@ -474,7 +474,9 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
     prefixed "v4_"). Bytes = the distinct routed experts' MXFP4 weights + e8m0 scales on this rank (what the op must
     read) + activations in/out. only: these shapes ("tp1", "tp8", "ep8"; default all)."""
     from dsflash.plugins import moe as M
+    from dsflash.plugins.registry import device_arch
     rows = []
+    arch = device_arch(torch.device(DEV))   # the defaults and candidates `build` gives this GPU (sm90: `moe_f8`)
     d, e, k, qb, pre = fam.hidden, fam.experts, fam.topk, fam.qblock, fam.prefix
     gen = torch.Generator(device=DEV).manual_seed(3)
     gw = (torch.randn(e, d, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
@@ -498,7 +500,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
                      + (f"(pad {ipad})" if ipad != inter else ""))
             try:
                 n_sets = 8 if m <= 64 else 2
-                cfg = M.default_moe_config(m, k, el, ipad, d, ep, qb)
+                cfg = M.default_moe_config(m, k, el, ipad, d, ep, qb, arch)
                 lay = cfg.xq_layout
                 # an EP rank lists its pairs, as `moe.moe` does: the decode GEMVs then launch for its share only
                 xs, shared, lists, routed, n_act = routed_decode_batches(m, gw, bias, el, ep, lay, gen, n_sets, qb, k)
@@ -527,7 +529,7 @@ def bench_moe(ceil: dict, ms: list[int], deadline: float, fam: MoeFamily = MOE_V
                 best = None
                 tried = []
                 xq_in = {lay: [r[2] for r in routed]}
-                for c in M.moe_candidates(m, k, el, ipad, d, ep, qb):
+                for c in M.moe_candidates(m, k, el, ipad, d, ep, qb, arch):
                     try:   # each config reads its own activation layout (the router writes any of them)
                         if c.xq_layout not in xq_in:
                             xq_in[c.xq_layout] = [M.as_layout(r[2], c.xq_layout) for r in routed]
