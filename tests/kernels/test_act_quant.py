@@ -88,7 +88,7 @@ def test_rmsnorm(m, k):
             assert refs.rel_err(y, yr) < 1e-5 if x.dtype == torch.float32 else _mismatch(y, yr) < 1e-2   # last bits
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, MANY])
+@pytest.mark.parametrize("m", [1, 3, 8, 257])
 @pytest.mark.parametrize("ka,kb", [(1280, 512), (64, 128), (96, 4096), (1024, 512)])
 def test_rmsnorm_pair(m, ka, kb):
     """dsflash::rmsnorm_pair (an attention's q_norm and kv_norm in one launch) on the two column slices of one
