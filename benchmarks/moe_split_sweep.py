@@ -11,7 +11,7 @@ Parity of every config against `moe_experts_ref` on the first routing. Writes `-
     python3 benchmarks/moe_split_sweep.py --out moe_split_sweep.json [--shapes ep8,tp1,tp8] [--ms 1,3,8]
         [--variants default]   # only the default config (and its w2 in one K slice): an A/B of two kernel versions
         [--variants near]      # the default and its neighbours (one more K slice or pipeline stage)
-        [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, depths 2-3
+        [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, ring depths 2-6
         [--variants unroll]    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
         [--variants pdl2]      # the default and the unrolled w13, each with and without w2 launched by PDL (`pdl2`)
 """
@@ -32,11 +32,11 @@ def variants(shape: str, m: int, base: M.MoeConfig, which: str, ipad: int,
              cands: list[M.MoeConfig] = ()) -> list[M.MoeConfig]:
     """The configs a mode times at one shape and M, the default first; cands: the bucket's build candidates."""
     out = [base]
-    if which == "tc":        # the tensor-core w13 (`moe_tc`) at K slices and weight-chunk depths, against the default
+    if which == "tc":        # the tensor-core w13 (`moe_tc`) at K slices and TMA ring depths, against the default
         from dsflash.plugins.moe_tc import tc_fits
         if base.acc16 and tc_fits(ipad, B.HIDDEN):
-            out += [dataclasses.replace(base, tc13=True, split13=s, stages=st) for s in (2, 3, 4, 8)
-                    for st in (2, 3)]
+            out += [dataclasses.replace(base, tc13=True, split13=s, stages=st) for s in (2, 3, 4, 5, 8)
+                    for st in (2, 3, 4, 6)]
         return out
     if which == "unroll":    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
         if base.acc16:

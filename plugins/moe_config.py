@@ -51,9 +51,10 @@ class MoeConfig:
     unroll13: bool = False  # GEMV w13 (acc16): each K slice unrolled, its steps' weights, scales and activations
                             # loaded into registers `stages` steps ahead (no shared-memory staging, no barrier)
     tc13: bool = False      # GEMV w13 on tensor cores (`moe_tc`; acc16, 1×32 blocks, sm_90): 32-row tiles of 128-K
-                            # chunks, split13 K slices, `stages` chunks of weights in flight. Neither a default nor a
-                            # candidate: 1.05-1.3x slower than the CUDA-core GEMV on the H200 (benchmarks/README.md,
-                            # session 20)
+                            # chunks, split13 K slices, the weights by TMA through a ring of `stages` chunks. Neither a
+                            # default nor a candidate: on one TP8 rank it matches the CUDA-core GEMV at M = 3 and is
+                            # 1.10x slower at M = 8 (H100, benchmarks/README.md, session 46; session 20's register-
+                            # staged version was 1.05-1.3x slower everywhere on the H200)
     f8: bool = False        # sorted path on FP8 tensor cores (`moe_f8`, sm90: MXFP4 codes re-biased into e4m3 in
                             # registers, one k32 wgmma per 32-block, fp32 promotion per block); stages: the TMA ring's
                             # depth (stages2 for w2), bn2: w2's output rows per program (64 per tile); block_m 16

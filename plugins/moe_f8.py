@@ -33,31 +33,25 @@ blocks of h); D % 128 == 0, I_pad % 32 == 0; sm_90 (wgmma). Imports Triton's Glu
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.act_quant import act_quant
 from dsflash.plugins.moe import moe_align
 from dsflash.plugins.moe_config import MoeConfig, f8_fits
-from dsflash.plugins.moe_tc import _A_WORDS, _ROW4, _W_T, _a_operand
-from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
+from dsflash.plugins.moe_tc import (_THREAD_BARRIER, _ROW4, _blocks_mma, _issue_words, _slot_words, _weight_ring,
+                                     _words_smem)
+from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 _FLAT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # the epilogue's [32 rows, BM] tile: a warp's lanes along the rows (one block's amax per column is a warp reduction)
 _EPI = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1]))
-_THREAD_BARRIER = getattr(gl, "thread_barrier", None) or gl.barrier   # the name Triton 3.6 / 3.8 gives it
-# one 32-row box of weight words [32, 16] read as half of `moe_tc._W_T` (its row bit 8 is the box: w1 or w3)
-_HALF_T = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]],
-    block_bases=[], shape=[32, 16]))
 
 
 def _layouts(bm: int) -> dict:
@@ -102,57 +96,6 @@ def _load_xs(xs_at, vc, kbv, ch):
 
 
 @gluon.jit
-def _issue_words(w_desc, w_bufs, ready, slot, row_a, row_b, ch, ok, HALVES: gl.constexpr):
-    """TMA of chunk ch's weight words into ring slot `slot` (signalling ready[slot]): one box of 64 rows from row_a,
-    or (HALVES 2: w13) two boxes of 32 rows, from row_a (w1) and row_b (w3); nothing when not ok."""
-    bar = ready.index(slot)
-    mbarrier.expect(bar, HALVES * w_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [row_a, ch * 16], bar, w_bufs.index(slot * HALVES), pred=ok)
-    if HALVES == 2:
-        tma.async_copy_global_to_shared(w_desc, [row_b, ch * 16], bar, w_bufs.index(slot * 2 + 1), pred=ok)
-
-
-@gluon.jit
-def _slot_words(w_bufs, slot, HALVES: gl.constexpr):
-    """Ring slot `slot`'s words as [64 MMA rows, 16] in _W_T (word c of each block per lane: `_a_operand`'s input).
-    w13's two 32-row boxes interleave: MMA row 16w + 8h + q is row 8w + q of box h (w1: h = 0, w3: h = 1)."""
-    if HALVES == 2:
-        h0 = w_bufs.index(slot * 2).load(_HALF_T)
-        h1 = w_bufs.index(slot * 2 + 1).load(_HALF_T)
-        w = gl.reshape(gl.permute(gl.reshape(gl.join(h0, h1), [4, 8, 16, 2]), [0, 3, 1, 2]), [64, 16])
-        return gl.convert_layout(w, _W_T, assert_trivial=True)
-    else:
-        return w_bufs.index(slot).load(_W_T)
-
-
-@gluon.jit
-def _chunk_mma(wt, sw, xs, buf, tot, zero, MMA: gl.constexpr, SW_WORDS: gl.constexpr):
-    """tot [64, BM] + the 4 blocks of one chunk (its activation tile already in `buf`): one MMA per block with the
-    words re-biased into the A operand (`moe_tc._a_operand`), two in flight per wait, each folded with its row scale
-    × column scale. (All four before one wait held four partials: 145 registers, 3 CTAs per SM instead of 4.)"""
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    b0, b1, b2, b3 = split4(gl.reshape(gl.permute(gl.reshape(wt, [64, 4, 4]), [0, 2, 1]), [64, 4, 2, 2]))
-    blocks = (b0, b1, b2, b3)
-    if SW_WORDS:
-        scs = (e8m0_to_f32(sw & 255), e8m0_to_f32((sw >> 8) & 255), e8m0_to_f32((sw >> 16) & 255),
-               e8m0_to_f32((sw >> 24) & 255))
-    else:
-        s0, s1, s2, s3 = split4(gl.reshape(e8m0_to_f32(sw), [64, 2, 2]))
-        scs = (s0, s1, s2, s3)
-    for h in gl.static_range(0, 4, 2):
-        parts = ()
-        for kk in gl.static_range(h, h + 2):
-            a = _a_operand(gl.convert_layout(blocks[kk], _A_WORDS, assert_trivial=True), A_OP)
-            b = buf.slice(kk * 32, 32, dim=1).permute((1, 0))
-            parts = parts + (warpgroup_mma(a, b, zero, use_acc=False, is_async=True), )
-        parts = warpgroup_mma_wait(0, deps=parts)
-        for kk in gl.static_range(h, h + 2):
-            s_kk = gl.convert_layout(scs[kk], gl.SliceLayout(1, MMA), assert_trivial=True)
-            tot = tot + parts[kk - h] * (gl.expand_dims(s_kk, 1) * gl.expand_dims(xs[kk], 0))
-    return tot
-
-
-@gluon.jit
 def _step(w_bufs, ready, x_s, j, act, STAGES: gl.constexpr, HALVES: gl.constexpr):
     """Step j of a program's ring up to its MMAs: wait for slot j % STAGES, read its words, stage the activation
     tile in buffer j % 2 (then a barrier, after which every warp is past step j - 1's MMAs and has read slot j's
@@ -179,12 +122,9 @@ def _slot_tokens(sorted_ptr, start, P, TOPK, BM: gl.constexpr, layout: gl.conste
 @gluon.jit
 def _ring(w_desc, BROWS: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
           X_SMEM: gl.constexpr):
-    """The program's shared memory: STAGES slots of HALVES weight boxes [BROWS, 16 words], their barriers, and two
-    activation buffers [BM, 128] e4m3."""
-    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, BROWS, 16], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+    """The program's shared memory: the weight ring (`moe_tc._weight_ring`) and two activation buffers [BM, 128]
+    e4m3."""
+    w_bufs, ready = _weight_ring(w_desc, BROWS, HALVES, STAGES)
     x_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, 128], X_SMEM)
     return w_bufs, ready, x_s
 
@@ -226,7 +166,7 @@ def _moe_w13_f8_kernel(w_desc, xc_ptr, xs_ptr, s13_ptr, hc_ptr, hs_ptr, sorted_p
         nxt = _load_act(s_at, rs, x_at, xk, xrow, KB, gl.minimum(j + 1, n_ch - 1), True)
         wt, buf, slot = _step(w_bufs, ready, x_s, j, act, STAGES, 2)
         _issue_words(w_desc, w_bufs, ready, slot, row_a, row_a + N, j + STAGES, j + STAGES < n_ch, 2)
-        tot = _chunk_mma(wt, act[0], xs, buf, tot, zero, MMA, True)
+        tot = _blocks_mma(wt, act[0], xs, buf, tot, zero, MMA, True)
     # rows 16w + q: q < 8 -> g of row 8w + q, else u of row 8w + q - 8 (the same thread's register pair)
     g, u = gl.split(gl.permute(gl.reshape(tot, [4, 2, 8, BM]), [0, 2, 3, 1]))
     g = gl.convert_layout(gl.reshape(g, [32, BM]), _EPI)
@@ -311,7 +251,7 @@ def _moe_w2_f8_kernel(w_desc, hc_ptr, hs_ptr, s2_ptr, out_ptr, sorted_ptr, off_p
         if ch2 == n_ch:
             ch2 = 0
             t2 += 1
-        tot = _chunk_mma(wt, act[0], xs, buf, tot, zero, MMA, SW_WORDS)
+        tot = _blocks_mma(wt, act[0], xs, buf, tot, zero, MMA, SW_WORDS)
         if ch == n_ch - 1:   # the tile's last chunk: add it into the output, start the next tile
             gl.atomic_add(o_at + t * 64, tot, mask=omask, sem="relaxed")
             tot = zero
@@ -363,10 +303,3 @@ def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         BM=bm, STAGES=cfg.stages2 or cfg.stages, TILES=tiles, NB_E=nb, SW_WORDS=(ipad // 32) % 4 == 0, num_warps=4,
         **lay)
     return out
-
-
-@functools.cache
-def _words_smem():
-    """The weight boxes' shared layout: rows of 16 words (64 bytes), 64-byte swizzle (fewer bank conflicts for the
-    in-warp word reads of `_slot_words`)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)

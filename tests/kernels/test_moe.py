@@ -177,8 +177,9 @@ def test_moe_experts(m, experts, gate):
     cfgs += [dataclasses.replace(gemv, acc16=True, split13=3, split2=2, pdl2=True)]
     if rows_fit(ipad):
         cfgs += [dataclasses.replace(gemv, acc16=True, split13=3, rows2=True, warps2=4, split2=1, pdl2=True)]
-    # the tensor-core w13 (`moe_tc`): one K slice and one chunk in flight, 3 slices and 2 chunks
-    cfgs += [dataclasses.replace(gemv, acc16=True, tc13=True, split13=s, stages=st) for s, st in ((1, 1), (3, 2))]
+    # the tensor-core w13 (`moe_tc`, its weights through a TMA ring): rings of 1 / 5 / 2 chunks at 1 / 1 / 3 K slices
+    cfgs += [dataclasses.replace(gemv, acc16=True, tc13=True, split13=s, stages=st)
+             for s, st in ((1, 1), (1, 5), (3, 2))]
     # the w13 slices unrolled with register prefetch (`unroll13`): prefetch depth below and at the slice's steps
     unrolled = [dataclasses.replace(gemv, acc16=True, unroll13=True, split13=s, stages=st)
                 for s, st in ((4, 2), (5, 3))]
@@ -331,12 +332,13 @@ def test_moe_f8_sorted(stages, stages2, bn2):
     assert refs.rel_err(out - shared, base - shared) < 1e-2, refs.rel_err(out - shared, base - shared)
 
 
-@pytest.mark.parametrize("split,depth", [(1, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("split,depth", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 3), (3, 2)])
 def test_moe_w13_tc(split, depth):
-    """The tensor-core w13 (`moe_tc`) against the CUDA-core f16 GEMV's contract: D = 384 (3 chunks of 128 K: a
-    slice shorter than the pipeline depth, slices of 2 and 1 chunks), I = 64 padded to 96 (3 tiles of 32 rows, the
-    last one padding), 3 tokens over 8 experts with an expert shared by two pairs, out started from the shared
-    expert's output; h matches the CUDA-core kernel's, the whole MoE the reference."""
+    """The tensor-core w13 (`moe_tc`, its weights through a TMA ring of `depth` chunks) against the CUDA-core f16
+    GEMV's contract: D = 384 (3 chunks of 128 K: a slice shorter than the ring, slices of 2 and 1 chunks, one slot
+    reused), I = 64 padded to 96 (3 tiles of 32 rows, the last one padding), 3 tokens over 8 experts with an expert
+    shared by two pairs, out started from the shared expert's output; h matches the CUDA-core kernel's, the whole MoE
+    the reference."""
     from dsflash.plugins.moe import MoeConfig, as_layout, gemv_w13, gemv_w2
     e, d, inter, ipad, topk = 8, 384, 64, 96, 3
     gen = torch.Generator(device=DEV).manual_seed(13)
@@ -422,7 +424,8 @@ def test_moe_expert_parallel(m, experts, gate):
         gemv, dataclasses.replace(gemv, acc16=False, pdl=False), MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)]
     if rows_fit(ipad):
         cfgs.append(dataclasses.replace(gemv, rows2=True, warps2=4, split2=1))
-    cfgs.append(dataclasses.replace(gemv, tc13=True, split13=4, stages=2, pdl=False))
+    cfgs.append(dataclasses.replace(gemv, tc13=True, split13=4, stages=2, pdl=False))   # (pair list: passes, one ring)
+    cfgs.append(dataclasses.replace(gemv, tc13=True, split13=2, stages=3, pdl=False))
     cfgs.append(dataclasses.replace(gemv, unroll13=True, split13=4, stages=2, pdl=False))   # 5 steps unrolled
     cfgs.append(dataclasses.replace(gemv, pdl=False, pdl2=True))   # w2 alone launched with PDL
     totals = [torch.zeros(m, D, device=DEV) for _ in range(2 * len(cfgs) + 1)]

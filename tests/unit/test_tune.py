@@ -351,13 +351,15 @@ def test_moe_decode_configs_take_no_pdl():
 
 
 def test_moe_tensor_core_w13_is_opt_in():
-    """The tensor-core w13 (`moe_tc`, session 20: correct, 1.05-1.3x slower than the GEMV on the H200) is reachable
-    only through an explicit config: its flag shows in the tag and survives tuned.json, old entries read as off, and
-    neither the default rule nor a candidate takes it."""
+    """The tensor-core w13 (`moe_tc`: session 20 1.05-1.3x slower than the GEMV on the H200; session 46's TMA ring
+    matches it at one TP8 rank's M = 3, 1.10x slower at M = 8) is reachable only through an explicit config: its flag
+    shows in the tag and survives tuned.json, old entries read as off, fp32 sums drop it, and neither the default rule
+    nor a candidate takes it."""
     c = dataclasses.replace(moe_config.default_moe_config(3, 6, 384, 320, 5120), tc13=True, split13=3)
     assert c.tag().endswith("_rows_tc13") and moe_config.MoeConfig.from_dict(c.to_dict()) == c
     old = {k: v for k, v in c.to_dict().items() if k != "tc13"}
     assert not moe_config.MoeConfig.from_dict(old).tc13
+    assert not moe_config.fp32_sums(c).tc13
     for t in (1, 3, 8, 64, 257):
         for e, inter, d, ep in [(384, 320, 5120, 1), (384, 2304, 5120, 1), (48, 2304, 5120, 8)]:
             assert not moe_config.default_moe_config(t, 6, e, inter, d, ep).tc13
