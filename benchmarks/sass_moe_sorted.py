@@ -62,7 +62,7 @@ def f8_mix(stages: int, tiles2: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsflash.plugins import moe_f8
+    from dsflash.plugins import moe_f8, moe_tc
     rows = []
     for name, box in (("_moe_w13_f8_kernel", 32), ("_moe_w2_f8_kernel", 64)):
         kern = getattr(moe_f8, name)
@@ -71,7 +71,7 @@ def f8_mix(stages: int, tiles2: int) -> list[dict]:
             const.update(TILES=tiles2, SW_WORDS=False)   # one TP8 rank's w2: 10 scale bytes per row
         ptrs = {"xc_ptr": "*fp8e4nv", "hc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "hs_ptr": "*fp32", "topw_ptr": "*fp32",
                 "out_ptr": "*fp32", "s13_ptr": "*u8", "s2_ptr": "*u8", "sorted_ptr": "*i32", "off_ptr": "*i32",
-                "limit": "fp32", "w_desc": f"tensordesc<i32[{box}, 16],{moe_f8._words_smem()!r}>"}
+                "limit": "fp32", "w_desc": f"tensordesc<i32[{box}, 16],{moe_tc._words_smem()!r}>"}
         sig = {p: "constexpr" if p in const else ptrs.get(p, "i32") for p in kern.arg_names}
         ck = triton.compile(GluonASTSource(kern, sig, const), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4})

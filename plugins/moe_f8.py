@@ -40,13 +40,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.act_quant import act_quant
 from dsflash.plugins.moe import moe_align
 from dsflash.plugins.moe_config import MoeConfig, f8_fits
 from dsflash.plugins.moe_tc import (_THREAD_BARRIER, _ROW4, _blocks_mma, _issue_words, _slot_words, _weight_ring,
-                                     _words_smem)
+                                     words_desc)
 from dsflash.plugins.tl_helpers import exp2i, scale_exp
 
 _FLAT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
@@ -288,17 +287,13 @@ def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     hc = torch.empty((sorted_ids.numel(), ipad), dtype=torch.float8_e4m3fn, device=xq.device)
     hs = torch.empty((sorted_ids.numel(), ipad // 32), dtype=torch.float32, device=xq.device)
     lay = _layouts(bm)
-    k8, i8 = d // 8, ipad // 8
-    w13_desc = TensorDescriptor(w13_q.view(torch.int32).view(e * 2 * ipad, k8), [e * 2 * ipad, k8], [k8, 1], [32, 16],
-                                _words_smem())
-    w2_desc = TensorDescriptor(w2_q.view(torch.int32).view(e * d, i8), [e * d, i8], [i8, 1], [64, 16], _words_smem())
     _moe_w13_f8_kernel[(nblk, ipad // 32)](
-        w13_desc, xc, xs, w13_s.view(torch.uint8), hc, hs, sorted_ids, off, weights,
+        words_desc(w13_q, 32), xc, xs, w13_s.view(torch.uint8), hc, hs, sorted_ids, off, weights,
         ipad, inter, d, e, t * topk, topk, float(swiglu_limit),
         BM=bm, STAGES=cfg.stages, NB_E=nb, num_warps=4, **lay)
     tiles = math.gcd(max(1, cfg.bn2 // 64), d // 64)
     _moe_w2_f8_kernel[(nblk, d // (64 * tiles))](
-        w2_desc, hc, hs, w2_s.view(torch.uint8), out, sorted_ids, off,
+        words_desc(w2_q, 64), hc, hs, w2_s.view(torch.uint8), out, sorted_ids, off,
         d, ipad, triton.cdiv(inter, 32), e, t * topk, topk,
         BM=bm, STAGES=cfg.stages2 or cfg.stages, TILES=tiles, NB_E=nb, SW_WORDS=(ipad // 32) % 4 == 0, num_warps=4,
         **lay)

@@ -376,15 +376,21 @@ def gemv_w13_tc(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tenso
     o = hp[1] if out is None else out
     sh = o if shared is None else shared
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, n_tiles, split)
-    k8, rows = d // 8, w13_q.shape[0] * 2 * ipad
-    w_desc = TensorDescriptor(w13_q.view(torch.int32).view(rows, k8), [rows, k8], [k8, 1], [32, 16], _words_smem())
     _moe_w13_tc_kernel[grid](
-        w_desc, codes, xs, w13_s.view(torch.uint8), hp[0], hp[1], ids, weights, ws, cnt,
+        words_desc(w13_q, 32), codes, xs, w13_s.view(torch.uint8), hp[0], hp[1], ids, weights, ws, cnt,
         o, sh, d, o.stride(0), sh.stride(0), ipad, inter, d, d // 32, ids.shape[1],
         w13_q.shape[0], float(swiglu_limit),
         plist, pcount, ids.shape[0], SPLIT=split, DEPTH=max(1, cfg.stages), MAX_CH=triton.cdiv(n_ch, split),
         INIT_OUT=init, COMPACT=pairs is not None, PASSES=passes, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl)
     return hp
+
+
+def words_desc(q: torch.Tensor, box_rows: int) -> TensorDescriptor:
+    """The TMA descriptor of MXFP4 expert weights q (int8 [E, rows, K/2]) as int32 words [E·rows, K/8], in boxes of
+    box_rows rows × 16 words (one 128-K chunk) for `_weight_ring`."""
+    rows, words = q.shape[0] * q.shape[1], q.shape[2] // 4
+    return TensorDescriptor(q.view(torch.int32).view(rows, words), [rows, words], [words, 1], [box_rows, 16],
+                            _words_smem())
 
 
 @functools.cache
