@@ -14,6 +14,7 @@ Parity of every config against `moe_experts_ref` on the first routing. Writes `-
         [--variants tc]        # the default and the tensor-core w13 (`moe_tc`) at K slices 2-8, ring depths 2-6
         [--variants unroll]    # the default and its w13 K slices unrolled with register prefetch (`unroll13`)
         [--variants pdl2]      # the default and the unrolled w13, each with and without w2 launched by PDL (`pdl2`)
+        [--variants ordered]   # the default with and without the deterministic expert sum (`moe_experts(ordered)`)
 """
 import argparse
 import dataclasses
@@ -70,7 +71,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="ep8,tp1,tp8")
     ap.add_argument("--ms", default="1,3,8")
-    ap.add_argument("--variants", default="all", choices=["all", "default", "near", "tc", "unroll", "pdl2"])
+    ap.add_argument("--variants", default="all",
+                    choices=["all", "default", "near", "tc", "unroll", "pdl2", "ordered"])
     a = ap.parse_args()
     only, ms = set(a.shapes.split(",")), [int(x) for x in a.ms.split(",")]
     dev = "cuda"
@@ -97,13 +99,16 @@ def main() -> None:
             ref = refs.moe_experts_ref(xs[0], routed[0][0], routed[0][1].long(), *w1, w2_q, w2_s, B.MOE_LIMIT, inter,
                                        shared[0])
             nbytes = n_act * b_exp + m * d * 2 + 2 * m * d * 4
-            for c in variants(tp, m, base, a.variants, ipad, M.moe_candidates(m, k, el, ipad, d, ep)):
-                def run(i, c=c):
+            runs = [(base, False), (base, True)] if a.variants == "ordered" else \
+                [(c, False) for c in variants(tp, m, base, a.variants, ipad, M.moe_candidates(m, k, el, ipad, d, ep))]
+            for c, ordered in runs:
+                def run(i, c=c, ordered=ordered):
                     return M.moe_experts(routed[i][2], routed[i][0], routed[i][1], w13_q, w13_s, w2_q, w2_s,
-                                         B.MOE_LIMIT, inter, shared[i], c, ep, lists[i])
+                                         B.MOE_LIMIT, inter, shared[i], c, ep, lists[i], ordered=ordered)
                 err = refs.rel_err(run(0), ref)
                 us, how = graph_time_us([lambda i=i: run(i) for i in range(len(routed))])
-                row = dict(shape=tp, M=m, config=c.tag(), default=c == base, us=round(us, 2),
+                row = dict(shape=tp, M=m, config=c.tag() + ("_ordered" if ordered else ""),
+                           default=c == base and not ordered, us=round(us, 2),
                            pct_copy_bw=round(100 * nbytes / us / 1e3 / copy_gbps, 1),
                            pct_copy_bw_padded=round(100 * (nbytes + n_act * (b_pad - b_exp)) / us / 1e3 / copy_gbps,
                                                     1),

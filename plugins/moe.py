@@ -21,6 +21,11 @@ Pipeline (five launches, no host sync, CUDA-graph capturable):
 5. `_moe_w2_kernel`: y = h·W2ᵀ per expert block, fp32 atomically added into the output, which starts as the shared
    expert's output (so the weighted reduction over experts and the shared-expert add are one pass).
 
+Deterministic mode (`moe_config.set_deterministic`, or torch's deterministic algorithms; GPU only): the w2 kernels
+write each pair's output to a row of its own (they take k = 1: the same atomic add, one per element, into a zeroed
+[T·k, D] buffer) and `_moe_pair_sum_kernel` adds the rows to the shared expert's output in slot order, one launch
+more: the atomic sum's order, which varies from run to run, no longer reaches the output's bits.
+
 On sm90 the sorted path's GEMMs (4-5) run on FP8 tensor cores instead (`moe_f8`, Gluon: the MXFP4 codes re-biased
 into e4m3 in registers, one k32 MMA per 32-block, h passed to w2 as e4m3 codes), 2.0-2.4x faster.
 
@@ -58,9 +63,10 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsflash.plugins.refs import (  # noqa: F401  (re-exported: name_ref lives beside name)
-    ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, router_ref)
+    ROUTER_NORM_EPS, moe_experts_ref, moe_ref, mxfp4_dequant_ref, pair_sum_ref, router_ref)
 from dsflash.plugins.moe_config import (  # noqa: F401  (re-exported: configs live beside their kernels' users)
-    MoeConfig, _div, default_moe_config, gemv_warps, local_pair_slots, lookup, moe_candidates, unrolled_steps)
+    MoeConfig, _div, default_moe_config, deterministic, gemv_warps, local_pair_slots, lookup, moe_candidates,
+    unrolled_steps)
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
 from dsflash.plugins.tuning import k_slices
@@ -339,6 +345,26 @@ def _moe_w2_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, sorted_ptr, off_ptr,
     tl.atomic_add(out_ptr + tok[None, :] * stride_o + offs_n[:, None], acc, mask=mn[:, None] & valid[None, :],
                   sem="relaxed")
 
+
+
+# -- 6. deterministic mode: the pairs' rows summed in slot order --------------------------------------------------------
+@triton.jit
+def _moe_pair_sum_kernel(rows_ptr, sh_ptr, out_ptr, D, stride_r, stride_sh, stride_o, TOPK: tl.constexpr,
+                         SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sh[t] + rows[t·k] + … + rows[t·k + k - 1] (fp32, in slot order), columns of program 1's block."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = d < D
+    parts = ()
+    for j in tl.static_range(TOPK):   # every row's load in flight before the first add
+        parts = parts + (tl.load(rows_ptr + (t * TOPK + j) * stride_r + d, mask=m, other=0.0), )
+    if SHARED:
+        acc = tl.load(sh_ptr + t * stride_sh + d, mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        acc = acc + parts[j]
+    tl.store(out_ptr + t * stride_o + d, acc, mask=m)
 
 
 # -- 4'/5'. decode path: one (token, expert) pair per program, CUDA-core GEMV ------------------------------------------
@@ -1042,24 +1068,28 @@ def _pair_grid(ids: torch.Tensor, pairs: LocalPairs | None, slots: int, tiles: i
 
 
 def gemv_w2(hp, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
-            cfg: MoeConfig, pairs: LocalPairs | None = None, slots: int = 0) -> torch.Tensor:
+            cfg: MoeConfig, pairs: LocalPairs | None = None, slots: int = 0, pair_rows: bool = False) -> torch.Tensor:
     """Decode path, second GEMM: out [T, D] fp32 += Σ_pairs h·W2ᵀ (atomic fp32 adds); hp as `gemv_w13` returns it;
-    pairs, slots: as `gemv_w13` (the row-per-thread w2 skips another rank's pairs on the full grid instead)."""
+    pairs, slots: as `gemv_w13` (the row-per-thread w2 skips another rank's pairs on the full grid instead).
+    pair_rows (deterministic mode): out is [T·k, D] and pair p adds into row p, its only writer (one K slice)."""
     hq, hs = hp if cfg.acc16 else (hp, hp)
     ipad = hq[0].numel()
     d = w2_q.shape[1]
     assert cfg.gemv and cfg.bk2 % 32 == 0 and out.dtype == torch.float32 and out.is_contiguous(), cfg
+    per_row = 1 if pair_rows else ids.shape[1]          # pairs per output row: the kernels' k
+    assert out.shape == (ids.numel() // per_row, d), (tuple(out.shape), tuple(ids.shape), pair_rows)
     pdl = cfg.pdl or cfg.pdl2
     if cfg.rows2:
         assert cfg.acc16, f"the row-per-thread w2 GEMV reads h as f16 codes (acc16), not {cfg.tag()}"
         from dsflash.plugins.moe_gluon import gemv_w2_rows
-        return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, pdl)
+        return gemv_w2_rows(hq, hs, ids, w2_q, w2_s, out, cfg.warps2, pdl, per_row)
     even = d % cfg.bn2 == 0 and ipad % cfg.bk2 == 0
     split = k_slices(triton.cdiv(ipad, cfg.bk2), cfg.split2)
+    assert split == 1 or not pair_rows, f"{cfg.tag()}: a pair's row takes one K slice in deterministic mode"
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, triton.cdiv(d, cfg.bn2), split)
     _moe_w2_gemv_kernel[grid](
-        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, ids.shape[1], w2_q.shape[0],
-        out.stride(0), plist, pcount, ids.shape[0],
+        hq.view(torch.int64), hs, w2_q.view(torch.int32), _u8(w2_s), out, ids, d, ipad, per_row, w2_q.shape[0],
+        out.stride(0), plist, pcount, ids.numel() // per_row,
         SPLIT=split, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NUM_STAGES=cfg.stages2 or cfg.stages, EVEN=even,
         ACC16=cfg.acc16, COMPACT=pairs is not None, PASSES=passes, num_warps=cfg.warps2, launch_pdl=pdl)
     return out
@@ -1077,7 +1107,7 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
                 w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
                 swiglu_limit: float, inter: int | None = None, shared: torch.Tensor | None = None,
                 config: MoeConfig | None = None, ep: int = 1, pairs: LocalPairs | None = None,
-                qblock: int = QBLOCK) -> torch.Tensor:
+                qblock: int = QBLOCK, ordered: bool | None = None) -> torch.Tensor:
     """Routed MXFP4 experts + the shared expert's output -> fp32 [T, D] (before the TP all-reduce).
 
     xq: the fake-quantized activation from `router`, BF16 [T, D] or a decode GEMV's layout (`gemv_act`,
@@ -1088,8 +1118,9 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     [E, 2·I_pad, D/2] (w1 rows, then w3 rows: `stack_w13`), w13_s e8m0 [E, 2·I_pad, D/32], w2_q int8
     [E, D, I_pad/2], w2_s [E, D, I_pad/32] (plain MXFP4: low nibble = even k); inter = the logical intermediate
     width (<= I_pad: padded columns contribute nothing); shared: [T, D] any float dtype, or None; qblock: the
-    quantization block of h (32; V4: 128), as the activation's from `router`. No host sync; the work buffers are the
-    only allocations."""
+    quantization block of h (32; V4: 128), as the activation's from `router`; ordered: the deterministic expert
+    reduction (each pair's output in a row of its own, `pair_sum`; None: on a GPU when `moe_config.deterministic()`).
+    No host sync; the work buffers are the only allocations."""
     if isinstance(xq, tuple):
         codes, sc = xq
         t, d = codes.shape[0], codes.shape[2] * 8
@@ -1117,14 +1148,23 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         f"{cfg.tag()}: a w13 tile of {cfg.bn13} rows does not hold whole {qblock}-blocks of h"
     if shared is not None:
         assert shared.shape == (t, d), (tuple(shared.shape), t, d)
+    ordered = (dev.type == "cuda" and deterministic()) if ordered is None else ordered
     if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
-        out = torch.empty((t, d), dtype=torch.float32, device=dev)
         sh = None if shared is None else (shared if shared.stride(1) == 1 else shared.contiguous())
         slots = local_pair_slots(ids.numel(), ep)
+        if ordered:          # the pairs' rows, then their sum in slot order
+            cfg = dataclasses.replace(cfg, split2=1)
+            rows = torch.zeros((ids.numel(), d), dtype=torch.float32, device=dev)
+            hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, None,
+                          None, pairs, slots, qblock)
+            return pair_sum(gemv_w2(hp, ids, w2_q, w2_s, rows, cfg, pairs, slots, pair_rows=True), topk, sh)
+        out = torch.empty((t, d), dtype=torch.float32, device=dev)
         hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh,
                       pairs, slots, qblock)
         return gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots)
-    if shared is not None:
+    if ordered and t > 0:
+        out = torch.zeros((t * topk, d), dtype=torch.float32, device=dev)
+    elif shared is not None:
         out = shared.to(torch.float32, copy=True).contiguous()
     else:
         out = torch.zeros((t, d), dtype=torch.float32, device=dev)
@@ -1134,7 +1174,9 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     xq = as_layout(xq, cfg.xq_layout)
     if cfg.f8:
         from dsflash.plugins.moe_f8 import sorted_experts_f8
-        return sorted_experts_f8(xq, weights, ids, w13_q, w13_s, w2_q, w2_s, out, swiglu_limit, inter, cfg, qblock)
+        out = sorted_experts_f8(xq, weights, ids, w13_q, w13_s, w2_q, w2_s, out, swiglu_limit, inter, cfg, qblock,
+                                pair_rows=ordered)
+        return pair_sum(out, topk, shared) if ordered else out
     assert d % cfg.bk13 == 0 and ipad % cfg.bk2 == 0 and cfg.bn13 % 32 == 0, (cfg, d, ipad)
     sorted_ids, off = moe_align(ids, e, cfg.block_m)
     nblk = sorted_ids.numel() // cfg.block_m
@@ -1149,10 +1191,31 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         num_warps=cfg.warps)
     _moe_w2_kernel[(nblk, triton.cdiv(d, cfg.bn2))](
         h, _u8(w2_q), _u8(w2_s), out, sorted_ids, off,
-        d, ipad, e, p, topk,
+        d, ipad, e, p, 1 if ordered else topk,      # (k = 1: pair p's output goes to row p)
         ipad, d * ipad // 2, ipad // 2, d * ipad // QBLOCK, ipad // QBLOCK, d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.bn2, BLOCK_K=cfg.bk2, NB_E=nb, NUM_STAGES=cfg.stages,
         num_warps=cfg.warps2)
+    return pair_sum(out, topk, shared) if ordered else out
+
+
+def pair_sum(rows: torch.Tensor, topk: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic mode's expert reduction: rows fp32 [T·k, D] (pair t·k + j's weighted expert output, zeros for a
+    pair of another EP rank), shared [T, D] (any float dtype) or None -> fp32 [T, D] = shared + Σ_j rows[t·k + j],
+    added in slot order (`pair_sum_ref`, bit for bit)."""
+    p, d = rows.shape
+    assert rows.dtype == torch.float32 and rows.stride(1) == 1 and topk >= 1 and p % topk == 0, \
+        (rows.dtype, tuple(rows.shape), topk)
+    t = p // topk
+    assert shared is None or shared.shape == (t, d), (tuple(shared.shape), t, d)
+    if shared is not None and shared.stride(1) != 1:
+        shared = shared.contiguous()
+    out = torch.empty((t, d), dtype=torch.float32, device=rows.device)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(d))
+    sh = rows if shared is None else shared
+    _moe_pair_sum_kernel[(t, triton.cdiv(d, block))](rows, sh, out, d, rows.stride(0), sh.stride(0), out.stride(0),
+                                                     TOPK=topk, SHARED=shared is not None, BLOCK=block, num_warps=4)
     return out
 
 

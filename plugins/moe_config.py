@@ -16,6 +16,24 @@ from dsflash.plugins.tuning import ConfigTable, k_slices, m_bucket
 
 log = logging.getLogger(__name__)
 
+# Deterministic expert reduction (`set_deterministic`): each (token, expert) pair's output lands in a row of its own
+# and the rows are summed in slot order (`moe.pair_sum`) instead of fp32 atomic adds into the token's row, whose
+# order varies from run to run
+_deterministic = False
+
+
+def set_deterministic(on: bool) -> None:
+    """Make the MoE plugin's expert reduction deterministic on GPUs (serve's batch-invariant mode turns it on, as
+    SGLang's deterministic inference does); torch's `use_deterministic_algorithms(True)` does too."""
+    global _deterministic
+    _deterministic = bool(on)
+
+
+def deterministic() -> bool:
+    """Whether the MoE plugin reduces expert outputs in a fixed order (`set_deterministic`, or torch's flag)."""
+    import torch
+    return _deterministic or torch.are_deterministic_algorithms_enabled()
+
 
 @dataclass(frozen=True)
 class MoeConfig:

@@ -269,16 +269,19 @@ def even_odd(codes: torch.Tensor) -> torch.Tensor:
 
 def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor,
                       w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, out: torch.Tensor,
-                      swiglu_limit: float, inter: int, cfg: MoeConfig, qblock: int = 32) -> torch.Tensor:
+                      swiglu_limit: float, inter: int, cfg: MoeConfig, qblock: int = 32,
+                      pair_rows: bool = False) -> torch.Tensor:
     """`moe.moe_experts`' sorted path on FP8 tensor cores: out (fp32 [T, D], holding the shared expert's output or
     zeros) += Σ_k weight · expert(x). xq: the BF16 fake-quantized activation [T, D] (its e4m3 codes are recovered
-    exactly); the weights as `moe_experts` takes them (shapes checked there)."""
+    exactly); the weights as `moe_experts` takes them (shapes checked there). pair_rows (deterministic mode): out is
+    a zeroed [T·k, D] and pair p's output goes to row p."""
     t, d = xq.shape
     e, ipad = w13_q.shape[0], w13_q.shape[1] // 2
     assert cfg.f8 and not cfg.gemv and cfg.block_m in (16, 32, 64) and cfg.stages >= 1, cfg.tag()
     assert f8_fits(ipad, d, qblock), f"moe_f8: D={d} (% 128), I_pad={ipad} (% 32), qblock={qblock} (32)"
-    assert xq.dtype == torch.bfloat16 and out.shape == (t, d) and out.dtype == torch.float32 and out.is_contiguous()
     topk, bm = ids.shape[1], cfg.block_m
+    assert xq.dtype == torch.bfloat16 and out.shape == (t * topk if pair_rows else t, d) \
+        and out.dtype == torch.float32 and out.is_contiguous(), (tuple(out.shape), out.dtype, pair_rows)
     xc, xs = act_quant(xq, "fp32")                    # exact: xq holds FP8 1×32 values already
     xc, xs = even_odd(xc), xs * 64.0                  # × 2^6: the re-bias of the weight codes
     sorted_ids, off = moe_align(ids, e, bm)
@@ -294,7 +297,7 @@ def sorted_experts_f8(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     tiles = math.gcd(max(1, cfg.bn2 // 64), d // 64)
     _moe_w2_f8_kernel[(nblk, d // (64 * tiles))](
         words_desc(w2_q, 64), hc, hs, w2_s.view(torch.uint8), out, sorted_ids, off,
-        d, ipad, triton.cdiv(inter, 32), e, t * topk, topk,
+        d, ipad, triton.cdiv(inter, 32), e, t * topk, 1 if pair_rows else topk,   # (k = 1: pair p -> row p)
         BM=bm, STAGES=cfg.stages2 or cfg.stages, TILES=tiles, NB_E=nb, SW_WORDS=(ipad // 32) % 4 == 0, num_warps=4,
         **lay)
     return out

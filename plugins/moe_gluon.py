@@ -107,15 +107,18 @@ def _w2_rows_pair(hp_ptr, hs_ptr, w2_ptr, s2_ptr, out_ptr, p, e, N, TOPK, stride
 
 
 def gemv_w2_rows(hq: torch.Tensor, hs: torch.Tensor, ids: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
-                 out: torch.Tensor, warps: int, pdl: bool) -> torch.Tensor:
+                 out: torch.Tensor, warps: int, pdl: bool, per_row: int | None = None) -> torch.Tensor:
     """out [T, D] fp32 += Σ_pairs h·W2ᵀ; hq, hs: h as the f16-accumulating w13 GEMV writes it (codes [P, 2, K/8, 4],
-    block scales [P, K/32]); w2 as `moe.gemv_w2` takes it."""
+    block scales [P, K/32]); w2 as `moe.gemv_w2` takes it. per_row: pairs per output row (None: k, a token's; 1:
+    deterministic mode's row per pair, out [P, D])."""
     p, k = hq.shape[0], hq[0].numel()
     e, d = w2_q.shape[0], w2_q.shape[1]
     assert rows_fit(k), f"the row-per-thread w2 GEMV needs K % 64 == 0 and K <= 512, got {k}"
     assert hq.dtype == torch.float16 and hq.is_contiguous() and hs.shape == (p, k // 32), (hq.dtype, tuple(hs.shape))
     assert w2_q.shape == (e, d, k // 2) and w2_s.shape == (e, d, k // 32), (tuple(w2_q.shape), tuple(w2_s.shape))
+    per_row = ids.shape[1] if per_row is None else per_row
+    assert out.shape == (p // per_row, d) and out.dtype == torch.float32, (tuple(out.shape), out.dtype, per_row)
     grid = (p, -(-d // (ROWS_PER_WARP.value * warps)))
     _moe_w2_rows_kernel[grid](hq.view(torch.int64), hs, w2_q.view(torch.int32), w2_s.view(torch.uint8), out, ids, d,
-                              ids.shape[1], e, out.stride(0), K8=k // 8, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                              per_row, e, out.stride(0), K8=k // 8, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out

@@ -353,6 +353,18 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return y
 
 
+def pair_sum_ref(rows: torch.Tensor, topk: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE's deterministic expert reduction: rows fp32 [T·k, D] (pair t·k + j's weighted expert output; zeros for
+    a pair of another EP rank), shared [T, D] or None -> fp32 [T, D] = shared + rows[t·k] + rows[t·k + 1] + …,
+    added in slot order."""
+    t, d = rows.shape[0] // topk, rows.shape[1]
+    out = torch.zeros((t, d), dtype=torch.float32, device=rows.device) if shared is None else shared.float()
+    r = rows.view(t, topk, d)
+    for j in range(topk):
+        out = out + r[:, j]
+    return out
+
+
 def shared_expert_ref(x: torch.Tensor, w1_q: torch.Tensor, w1_s: torch.Tensor, w3_q: torch.Tensor,
                       w3_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
     """The shared expert (group-32 FP8 weights) in deploy numerics, fp32 [T, D]."""

@@ -17,8 +17,13 @@ Formats (architecture.md §4):
   Full model: 3,514.25 B/token growing.
 The latents are one shared head (MQA), replicated on every TP rank: per-rank bytes equal the TP1 bytes.
 
-The CPU reference runtime keeps each request's actual state densely in its model state object (`model.new_state`);
-these pages are exact accounting of what the GPU runtime stores into them (same admission, preemption and usage).
+The pages account the deploy formats above: admission, preemption and the usage figures follow them. Neither runtime
+stores its caches in them yet. The CPU reference keeps each request's state densely in its model state object
+(`model.new_state`, fake-quantized values in the model dtype); a GPU engine keeps the same list caches while a
+request prefills and, once it decodes, one of the model's decode slots (model_def/decode_slots.py: model-dtype
+caches sized for max_seq_len, at most `model_runner.SLOT_SHARE` of the free memory, allocated before this pool is
+sized, so that a pool sized by `kv_cache_free_gpu_memory_fraction` counts from the memory they leave). So on a
+GPU this pool's bytes bound how many requests are admitted, not where their caches live.
 """
 from __future__ import annotations
 

@@ -7,11 +7,13 @@ tokens, and only the attention walks each request's own caches. A token's arithm
 share its GEMMs (the kernels and their summation order follow the row count), so its output can differ in the last
 bits with its neighbours. `batch_invariant=True` runs each segment in a forward of its own instead: a request's
 tokens are computed exactly as they would be alone, whatever else is scheduled (SGLang's deterministic inference;
-slower). GPU engines run through this same runner (their plugin kernels bound in the model); a decode step of a
-captured batch size replays as one CUDA graph (`enable_cuda_graphs`, runtime/cuda_graphs.py), its requests'
-caches in decode slots (model_def/decode_slots.py, given back when the plan releases the request, on every rank
-at the same step); a step whose requests do not all fit the slots replays per-token pieces, the attention's cache
-work eager between them.
+slower). On a GPU it also makes the MoE plugin sum the experts' outputs in a fixed order
+(`moe_config.set_deterministic`), so that a request's tokens are the same bits from run to run, not only
+independent of its neighbours. GPU engines run through this same runner (their plugin kernels bound in the model);
+a decode step of a captured batch size replays as one CUDA graph (`enable_cuda_graphs`, runtime/cuda_graphs.py),
+its requests' caches in decode slots (model_def/decode_slots.py, given back when the plan releases the request, on
+every rank at the same step); a step whose requests do not all fit the slots replays per-token pieces, the
+attention's cache work eager between them.
 
 On several ranks, rank 0 sends the plan (request id, token ids, reset flag) to the workers before running it, and
 every rank makes the same forwards in the same order (the TP all-reduces inside the model pair up).
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from dsflash.model_def.ragged import Chunk
+from dsflash.plugins.moe_config import set_deterministic
 from dsflash.serve.runtime.cuda_graphs import DecodeGraphs
 from dsflash.serve.runtime.sampling import SamplingParams, mask_top_k_top_p
 from dsflash.serve.runtime.scheduler import Batch, Segment
@@ -63,6 +66,7 @@ class ModelRunner:
         self.spec = speculative       # SpecConfig | None
         self.wrap_drafter = wrap_drafter   # (drafter, seq) -> drafter: tests substitute proposals
         self.batch_invariant = batch_invariant
+        set_deterministic(batch_invariant)   # the MoE plugin's expert sum in a fixed order (its atomics' order varies)
         self._states: dict[str, object] = {}   # request id -> its model state (released with the plan's ids)
 
     def enable_cuda_graphs(self, config, max_batch_size: int, max_seq_len: int, warm_up: bool = False,

@@ -79,12 +79,14 @@ def worker_loop(engine_dir: str) -> int:
     from mpi4py import MPI
     from dsflash.serve.runtime.block_manager import kv_cache_capacity
     from dsflash.serve.runtime.cuda_graphs import CudaGraphConfig
+    from dsflash.plugins.moe_config import set_deterministic
     from dsflash.serve.runtime.model_runner import ModelRunner, run_segments
     rank = MPI.COMM_WORLD.Get_rank()
     try:
         rank, _, mpi, comm = connect(engine_dir)
         runner = ModelRunner(engine_dir, rank=rank, comm=comm)
         cfg = mpi.bcast(None, root=0)
+        set_deterministic(cfg["batch_invariant"])   # as rank 0's runner: the same MoE reduction on every rank
         runner.enable_cuda_graphs(CudaGraphConfig(**cfg["cuda_graph"]) if cfg["cuda_graph"] else None,
                                   cfg["max_batch_size"], cfg["max_seq_len"], slots=cfg["decode_slots"])
         mpi.allreduce(kv_cache_capacity(cfg["kv_cache_bytes"], cfg["free_fraction"], runner.device), op=MPI.MIN)

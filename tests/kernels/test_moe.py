@@ -276,6 +276,67 @@ def test_moe_gemv_uneven_tiles(acc16, d, inter, bk13, bn2, bk2):
     assert refs.rel_err(out, ref) < 1e-2, (acc16, refs.rel_err(out, ref))
 
 
+@INTERPRET
+@pytest.mark.parametrize("t,k,d", [(1, 1, 96), (3, 6, 352), (5, 3, 1500)])
+def test_pair_sum(t, k, d):
+    """The deterministic mode's reduction: rows summed in slot order onto the shared expert's output (BF16, strided,
+    or none), zero rows (another EP rank's pairs) included: bit for bit `pair_sum_ref`, and the same bits twice."""
+    from dsflash.plugins.moe import pair_sum
+    g = torch.Generator(device=DEV).manual_seed(t * 100 + k)
+    rows = torch.randn(t * k, d, device=DEV, generator=g) * torch.rand(t * k, 1, device=DEV, generator=g) * 1e3
+    rows[::4] = 0
+    wide = torch.randn(t, 2 * d, device=DEV, generator=g).to(torch.bfloat16)
+    for shared in (None, wide[:, :d].contiguous(), wide[:, ::2]):
+        out = pair_sum(rows, k, shared)
+        assert out.dtype == torch.float32 and torch.equal(out, refs.pair_sum_ref(rows, k, shared))
+        assert torch.equal(pair_sum(rows, k, shared), out)
+    with pytest.raises(AssertionError):
+        pair_sum(torch.zeros(t * k, 2 * d, device=DEV)[:, ::2], k)    # rows with a column stride
+    with pytest.raises(AssertionError):
+        pair_sum(rows.half(), k)
+
+
+@INTERPRET
+def test_moe_deterministic_reduction():
+    """`moe_experts(ordered=True)`: every expert path writes each (token, expert) pair's output to a row of its own and
+    the rows are summed in slot order, so the output is bit for bit the slot-order sum of the pairs each computed
+    alone (whatever order their atomics would have run in), another rank's pair (id E) adding nothing; and it stays
+    within 1e-2 of the reference. D = 384, I = 128, 4 tokens × top-3 over 8 experts, one expert shared by two
+    pairs: the decode GEMVs (fp32 and f16 sums, a w2 split over K folded to one slice) and the sorted BF16-MMA path
+    under the interpreter; on a GPU also the row-per-thread w2, the tensor-core w13 and the FP8 sorted path."""
+    from dsflash.plugins.moe import MoeConfig, moe_experts
+    from dsflash.plugins.moe_config import F8_SORTED
+    e, d, inter, topk = 8, 384, 128, 3
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    w13_q, w13_s, w2_q, w2_s = _small_experts(e, d, inter, gen)
+    x = refs.fp8_fake_quant_ref(_x(4, 800)[:, :d].contiguous())
+    ids = torch.tensor([[0, 5, 7], [5, 1, e], [3, 4, 6], [2, e, 0]], dtype=torch.int32, device=DEV)
+    w = torch.rand(4, topk, device=DEV, generator=gen) + 0.1
+    shared = torch.randn(4, d, device=DEV, generator=gen).to(torch.bfloat16)
+    ref = refs.moe_experts_ref(x, w, ids.long(), *_split(w13_q, w13_s, inter), w2_q, w2_s, LIMIT, inter, shared)
+    gemv = MoeConfig(True, 32, 128, 128, 64, 2, 3, 16, 4, 2, 2, False)
+    cfgs = [gemv, dataclasses.replace(gemv, acc16=True), MoeConfig(False, 32, 128, 64, 64, 4, 3, 16, 4)]
+    if DEV == "cuda":
+        cfgs += [dataclasses.replace(gemv, acc16=True, rows2=True, split2=1),
+                 dataclasses.replace(gemv, acc16=True, tc13=True, split13=2, stages=2), F8_SORTED]
+    args = (w13_q, w13_s, w2_q, w2_s, LIMIT, inter)
+    for cfg in cfgs:
+        out = moe_experts(x, w, ids, *args, shared, cfg, ordered=True)
+        solo = dataclasses.replace(cfg, split2=1)   # one K slice: a pair's only add lands on zero, exactly
+        rows = torch.stack([moe_experts(x[i:i + 1], w[i:i + 1, j:j + 1], ids[i:i + 1, j:j + 1], *args, None, solo,
+                                        ordered=False)[0] for i in range(4) for j in range(topk)])
+        assert torch.equal(out, refs.pair_sum_ref(rows, topk, shared)), cfg.tag()
+        assert torch.equal(moe_experts(x, w, ids, *args, shared, cfg, ordered=True), out), cfg.tag()
+        assert refs.rel_err(out, ref) < 1e-2, (cfg.tag(), refs.rel_err(out, ref))
+        if DEV == "cuda":   # serve's switch (batch-invariant mode) selects it on a GPU
+            from dsflash.plugins.moe_config import set_deterministic
+            set_deterministic(True)
+            try:
+                assert torch.equal(moe_experts(x, w, ids, *args, shared, cfg), out), cfg.tag()
+            finally:
+                set_deterministic(False)
+
+
 @pytest.mark.parametrize("warps,pdl", [(2, False), (8, True)])
 def test_moe_w2_rows(warps, pdl):
     """The row-per-thread-pair w2 GEMV (`moe_gluon`) against the Triton f16 GEMV's contract: D = 352 rows (not a
