@@ -1154,14 +1154,13 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
         slots = local_pair_slots(ids.numel(), ep)
         if ordered:          # the pairs' rows, then their sum in slot order
             cfg = dataclasses.replace(cfg, split2=1)
-            rows = torch.zeros((ids.numel(), d), dtype=torch.float32, device=dev)
-            hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, None,
-                          None, pairs, slots, qblock)
-            return pair_sum(gemv_w2(hp, ids, w2_q, w2_s, rows, cfg, pairs, slots, pair_rows=True), topk, sh)
-        out = torch.empty((t, d), dtype=torch.float32, device=dev)
-        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, sh,
-                      pairs, slots, qblock)
-        return gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots)
+            out = torch.zeros((ids.numel(), d), dtype=torch.float32, device=dev)
+        else:
+            out = torch.empty((t, d), dtype=torch.float32, device=dev)
+        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg,
+                      None if ordered else out, sh, pairs, slots, qblock)
+        out = gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots, pair_rows=ordered)
+        return pair_sum(out, topk, sh) if ordered else out
     if ordered and t > 0:
         out = torch.zeros((t * topk, d), dtype=torch.float32, device=dev)
     elif shared is not None:
