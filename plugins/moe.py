@@ -646,7 +646,8 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     the epilogue. ACC16: the activation is in the f16-code layout (xp codes, xs block scales) and so is h (hp, hs),
     the f16-accumulating GEMV (`_mx_gemv16_step`). INIT_OUT (1: zeros, 2: the shared expert's output sh): the
     programs of each token's first pair also write out [T, D_OUT] fp32, the buffer the w2 GEMV adds into, so the
-    MoE needs no separate launch for it. A pair routed to another EP rank (id E) does nothing else.
+    MoE needs no separate launch for it; 3 (deterministic mode): out is [T·k, D_OUT] and every pair's programs zero
+    its row. A pair routed to another EP rank (id E) does nothing else.
     COMPACT (expert parallelism): program row pid_0 runs the pairs list[pid_0 + i·rows], i < PASSES, of the
     count_ptr pairs this rank holds (`router` with a pair list; rows·PASSES >= T·k), so the grid is sized for this
     rank's share of the pairs, not all T·k; every program then writes a share of out's starting value."""
@@ -655,8 +656,12 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     gdc_launch_dependents()
     if COMPACT:
         if INIT_OUT > 0:
-            _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * n_tiles + pid_n) * SPLIT + pid_k,
-                           n_rows * n_tiles * SPLIT, INIT_OUT == 2, _init_out_share)
+            out_rows = T
+            if INIT_OUT == 3:
+                out_rows = T * TOPK
+            _init_out_rows(out_ptr, sh_ptr, out_rows, D_OUT, stride_o, stride_sh,
+                           (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT == 2,
+                           _init_out_share)
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
             s = pid0 + i * n_rows
@@ -668,7 +673,10 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
-        if INIT_OUT > 0:
+        if INIT_OUT == 3:   # every pair's programs zero its own row (another EP rank's pair included)
+            _init_out_share(out_ptr, sh_ptr, p.to(tl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
+                            n_tiles * SPLIT, False)
+        elif INIT_OUT > 0:
             if p % TOPK == 0:
                 _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(tl.int64), D_OUT, stride_o, stride_sh,
                                 pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
@@ -1009,18 +1017,20 @@ def _check_mx(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: st
 def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
              inter: int, swiglu_limit: float, cfg: MoeConfig, out: torch.Tensor | None = None,
              shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0,
-             qblock: int = QBLOCK):
+             qblock: int = QBLOCK, pair_rows: bool = False):
     """Decode path, first GEMM: h for every (token, slot) pair, in the layout the config's w2 GEMV reads: fp32
     [T·k, I_pad] (pair-permuted ×2^6), or (acc16) f16 codes [T·k, 2, I_pad/8, 4] + block scales [T·k, I_pad/32].
     xp: the activation in `cfg.xq_layout`. With out (fp32 [T, D]) the same launch also sets out to the shared
-    expert's output `shared` ([T, D], any float dtype), or to 0 without it. pairs (EP, from `router`): run only the
-    listed pairs, on `slots` rows of programs (each runs every slots-th listed pair). qblock: h's quantization
-    block (32; V4: 128, which a tile of bn13 rows must hold whole). cfg.tc13: the tensor-core w13 (`moe_tc`, same
-    contract; opt-in, measured slower on the H200)."""
+    expert's output `shared` ([T, D], any float dtype), or to 0 without it; pair_rows (deterministic mode): out is
+    [T·k, D] and set to 0, the rows `gemv_w2(pair_rows=True)` adds each pair's output into. pairs (EP, from
+    `router`): run only the listed pairs, on `slots` rows of programs (each runs every slots-th listed pair). qblock:
+    h's quantization block (32; V4: 128, which a tile of bn13 rows must hold whole). cfg.tc13: the tensor-core w13
+    (`moe_tc`, same contract; opt-in, measured slower on the H200)."""
     if cfg.tc13:   # the tensor-core w13 (Gluon): same contract
         from dsflash.plugins.moe_tc import gemv_w13_tc
         assert qblock == QBLOCK, f"{cfg.tag()}: the tensor-core w13 takes 1×32 blocks of h, not {qblock}"
-        return gemv_w13_tc(xp, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, shared, pairs, slots)
+        return gemv_w13_tc(xp, weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out, shared, pairs, slots,
+                           pair_rows)
     codes, xs = xp if cfg.acc16 else (xp, xp)
     p, d = ids.numel(), codes[0].numel()
     ipad = w13_q.shape[1] // 2
@@ -1039,13 +1049,7 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
     ws = torch.empty((p * n_tiles * split * 2 * cfg.bn13,), dtype=torch.float32, device=codes.device) \
         if split > 1 else hq
     cnt = split_counter(codes.device, p * n_tiles, "moe_w13") if split > 1 else ids
-    init = 0 if out is None else (1 if shared is None else 2)
-    if out is not None:
-        t = ids.shape[0]
-        assert out.dtype == torch.float32 and out.shape == (t, d) and out.stride(1) == 1, (out.dtype, tuple(out.shape))
-        assert shared is None or (shared.shape == (t, d) and shared.stride(1) == 1), tuple(shared.shape)
-    o = hq if out is None else out
-    sh = o if shared is None else shared
+    init, o, sh = out_init(out, shared, ids, d, pair_rows, hq)
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, n_tiles, split)
     _moe_w13_gemv_kernel[grid](
         codes.view(torch.int64), xs, w13_q.view(torch.int32), _u8(w13_s), hq, hs, ids, weights, ws, cnt,
@@ -1055,6 +1059,25 @@ def gemv_w13(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, 
         COMPACT=pairs is not None, PASSES=passes, QB=qblock, UNROLL=unrolled_steps(cfg, d, ipad),
         num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return hp
+
+
+def out_init(out: torch.Tensor | None, shared: torch.Tensor | None, ids: torch.Tensor, d: int, pair_rows: bool,
+             spare: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A decode w13's INIT_OUT mode and its out / shared arguments (spare: any tensor for the unused ones): none; out
+    [T, D] fp32 set to 0 (1) or to `shared` [T, D] (2); pair_rows: out [T·k, D] fp32, each pair's row set to 0 (3)."""
+    if out is None:
+        assert not pair_rows and shared is None, "the w13 initialises no output without `out`"
+        return 0, spare, spare
+    rows = ids.numel() if pair_rows else ids.shape[0]
+    assert out.dtype == torch.float32 and out.shape == (rows, d) and out.stride(1) == 1, \
+        (out.dtype, tuple(out.shape), rows, d)
+    if pair_rows:
+        assert shared is None, "deterministic mode adds the shared expert in `pair_sum`, not in the w13"
+        return 3, out, out
+    if shared is None:
+        return 1, out, out
+    assert shared.shape == (rows, d) and shared.stride(1) == 1, tuple(shared.shape)
+    return 2, out, shared
 
 
 def _pair_grid(ids: torch.Tensor, pairs: LocalPairs | None, slots: int, tiles: int, split: int):
@@ -1152,13 +1175,11 @@ def moe_experts(xq, weights: torch.Tensor, ids: torch.Tensor,
     if t > 0 and cfg.gemv:   # the w13 GEMV also writes the output's starting value: no launch of its own
         sh = None if shared is None else (shared if shared.stride(1) == 1 else shared.contiguous())
         slots = local_pair_slots(ids.numel(), ep)
-        if ordered:          # the pairs' rows, then their sum in slot order
+        if ordered:          # the pairs' rows (zeroed by the w13), then their sum in slot order
             cfg = dataclasses.replace(cfg, split2=1)
-            out = torch.zeros((ids.numel(), d), dtype=torch.float32, device=dev)
-        else:
-            out = torch.empty((t, d), dtype=torch.float32, device=dev)
-        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg,
-                      None if ordered else out, sh, pairs, slots, qblock)
+        out = torch.empty((ids.numel() if ordered else t, d), dtype=torch.float32, device=dev)
+        hp = gemv_w13(as_layout(xq, cfg.xq_layout), weights, ids, w13_q, w13_s, inter, swiglu_limit, cfg, out,
+                      None if ordered else sh, pairs, slots, qblock, pair_rows=ordered)
         out = gemv_w2(hp, ids, w2_q, w2_s, out, cfg, pairs, slots, pair_rows=ordered)
         return pair_sum(out, topk, sh) if ordered else out
     if ordered and t > 0:

@@ -49,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait
-from dsflash.plugins.moe import _gemv_pids, _init_out_rows, _listed_pair, _pair_grid, _pair_perm16, LocalPairs
+from dsflash.plugins.moe import (_gemv_pids, _init_out_rows, _listed_pair, _pair_grid, _pair_perm16, LocalPairs,
+                                 out_init)
 from dsflash.plugins.moe_config import MoeConfig
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
@@ -313,7 +314,8 @@ def _moe_w13_tc_kernel(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr,
                        INIT_OUT: gl.constexpr, COMPACT: gl.constexpr, PASSES: gl.constexpr, PDL: gl.constexpr):
     """Grid and pair dispatch as `moe._moe_w13_gemv_kernel` (rows of pairs, 32-row tiles, K slices; COMPACT: the EP
     pair list, PASSES per program row; INIT_OUT 1 / 2: also write out's starting value, zeros / the shared expert's
-    output); per pair `_w13_tc_pair`. PDL: launched with programmatic dependent launch (waits for the router).
+    output; 3: out is [T·k, D], each pair's row zeroed); per pair `_w13_tc_pair`. PDL: launched with programmatic
+    dependent launch (waits for the router).
     w_desc: w13's words [E·2·I_pad, D/8] in 32 × 16 boxes, streamed through a ring of DEPTH chunks."""
     pid0, pid_n, pid_k, n_rows, n_tiles = _gemv_pids(COMPACT)
     if PDL:
@@ -322,8 +324,12 @@ def _moe_w13_tc_kernel(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr,
     w_bufs, ready = _weight_ring(w_desc, 32, 2, DEPTH)
     if COMPACT:
         if INIT_OUT > 0:
-            _init_out_rows(out_ptr, sh_ptr, T, D_OUT, stride_o, stride_sh, (pid0 * n_tiles + pid_n) * SPLIT + pid_k,
-                           n_rows * n_tiles * SPLIT, INIT_OUT == 2, _init_out_share)
+            out_rows = T
+            if INIT_OUT == 3:
+                out_rows = T * TOPK
+            _init_out_rows(out_ptr, sh_ptr, out_rows, D_OUT, stride_o, stride_sh,
+                           (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT == 2,
+                           _init_out_share)
         count = gl.load(count_ptr)
         for i in gl.static_range(PASSES):
             s = pid0 + i * n_rows
@@ -335,7 +341,10 @@ def _moe_w13_tc_kernel(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr,
     else:
         p = pid0
         e = gl.load(ids_ptr + p).to(gl.int64)
-        if INIT_OUT > 0:
+        if INIT_OUT == 3:   # every pair's programs zero its own row (`moe._moe_w13_gemv_kernel`)
+            _init_out_share(out_ptr, sh_ptr, p.to(gl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
+                            n_tiles * SPLIT, False)
+        elif INIT_OUT > 0:
             if p % TOPK == 0:
                 _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(gl.int64), D_OUT, stride_o, stride_sh,
                                 pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
@@ -351,7 +360,8 @@ def tc_fits(inter_pad: int, dim: int, qblock: int = 32) -> bool:
 
 def gemv_w13_tc(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                 inter: int, swiglu_limit: float, cfg: MoeConfig, out: torch.Tensor | None = None,
-                shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0):
+                shared: torch.Tensor | None = None, pairs: LocalPairs | None = None, slots: int = 0,
+                pair_rows: bool = False):
     """`moe.gemv_w13` for an acc16 config with tc13: the same activation (f16 codes, block scales), the same h
     ((f16 codes [T·k, 2, I_pad/8, 4], block scales [T·k, I_pad/32])), the same out initialisation and pair list;
     cfg.split13 K slices of 128-K chunks, cfg.stages chunks of weights in flight per program."""
@@ -368,13 +378,7 @@ def gemv_w13_tc(xp, weights: torch.Tensor, ids: torch.Tensor, w13_q: torch.Tenso
     split = k_slices(n_ch, cfg.split13)
     ws = torch.empty((p * n_tiles * split * 64,), dtype=torch.float32, device=codes.device) if split > 1 else hp[1]
     cnt = split_counter(codes.device, p * n_tiles, "moe_w13_tc") if split > 1 else ids
-    init = 0 if out is None else (1 if shared is None else 2)
-    if out is not None:
-        t = ids.shape[0]
-        assert out.dtype == torch.float32 and out.shape == (t, d) and out.stride(1) == 1, (out.dtype, tuple(out.shape))
-        assert shared is None or (shared.shape == (t, d) and shared.stride(1) == 1), tuple(shared.shape)
-    o = hp[1] if out is None else out
-    sh = o if shared is None else shared
+    init, o, sh = out_init(out, shared, ids, d, pair_rows, hp[1])
     grid, plist, pcount, passes = _pair_grid(ids, pairs, slots, n_tiles, split)
     _moe_w13_tc_kernel[grid](
         words_desc(w13_q, 32), codes, xs, w13_s.view(torch.uint8), hp[0], hp[1], ids, weights, ws, cnt,

@@ -302,9 +302,10 @@ def test_moe_deterministic_reduction():
     the rows are summed in slot order, so the output is bit for bit the slot-order sum of the pairs each computed
     alone (whatever order their atomics would have run in), another rank's pair (id E) adding nothing; and it stays
     within 1e-2 of the reference. D = 384, I = 128, 4 tokens × top-3 over 8 experts, one expert shared by two
-    pairs: the decode GEMVs (fp32 and f16 sums, a w2 split over K folded to one slice) and the sorted BF16-MMA path
+    pairs: the decode GEMVs (fp32 and f16 sums, a w2 split over K folded to one slice; on the full grid and on an EP
+    rank's pair list, listed out of slot order, whose programs zero every pair's row) and the sorted BF16-MMA path
     under the interpreter; on a GPU also the row-per-thread w2, the tensor-core w13 and the FP8 sorted path."""
-    from dsflash.plugins.moe import MoeConfig, moe_experts
+    from dsflash.plugins.moe import LocalPairs, MoeConfig, moe_experts, pair_entry
     from dsflash.plugins.moe_config import F8_SORTED
     e, d, inter, topk = 8, 384, 128, 3
     gen = torch.Generator(device=DEV).manual_seed(13)
@@ -320,12 +321,18 @@ def test_moe_deterministic_reduction():
         cfgs += [dataclasses.replace(gemv, acc16=True, rows2=True, split2=1),
                  dataclasses.replace(gemv, acc16=True, tc13=True, split13=2, stages=2), F8_SORTED]
     args = (w13_q, w13_s, w2_q, w2_s, LIMIT, inter)
+    mine = [(p, int(v)) for p, v in enumerate(ids.flatten().tolist()) if v < e][::-1]
+    index = torch.zeros(ids.numel(), dtype=torch.int32, device=DEV)
+    index[:len(mine)] = torch.tensor([pair_entry(p, v) for p, v in mine], dtype=torch.int32, device=DEV)
+    listed = LocalPairs(index, torch.tensor([len(mine)], dtype=torch.int32, device=DEV))
     for cfg in cfgs:
         out = moe_experts(x, w, ids, *args, shared, cfg, ordered=True)
         solo = dataclasses.replace(cfg, split2=1)   # one K slice: a pair's only add lands on zero, exactly
         rows = torch.stack([moe_experts(x[i:i + 1], w[i:i + 1, j:j + 1], ids[i:i + 1, j:j + 1], *args, None, solo,
                                         ordered=False)[0] for i in range(4) for j in range(topk)])
         assert torch.equal(out, refs.pair_sum_ref(rows, topk, shared)), cfg.tag()
+        if cfg.gemv:   # the pair list's grid (EP8's 5 program rows for 12 pairs: 10 listed, in 2 passes)
+            assert torch.equal(moe_experts(x, w, ids, *args, shared, cfg, 8, listed, ordered=True), out), cfg.tag()
         assert torch.equal(moe_experts(x, w, ids, *args, shared, cfg, ordered=True), out), cfg.tag()
         assert refs.rel_err(out, ref) < 1e-2, (cfg.tag(), refs.rel_err(out, ref))
         if DEV == "cuda":   # serve's switch (batch-invariant mode) selects it on a GPU
