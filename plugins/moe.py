@@ -656,12 +656,9 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     gdc_launch_dependents()
     if COMPACT:
         if INIT_OUT > 0:
-            out_rows = T
-            if INIT_OUT == 3:
-                out_rows = T * TOPK
-            _init_out_rows(out_ptr, sh_ptr, out_rows, D_OUT, stride_o, stride_sh,
-                           (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT == 2,
-                           _init_out_share)
+            _init_out_listed(out_ptr, sh_ptr, T, TOPK, D_OUT, stride_o, stride_sh,
+                             (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT,
+                             _init_out_share)
         count = tl.load(count_ptr)
         for i in tl.static_range(PASSES):   # (unrolled: a loop around the pipelined K loop doubles the registers)
             s = pid0 + i * n_rows
@@ -673,13 +670,9 @@ def _moe_w13_gemv_kernel(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, ids_p
     else:
         p = pid0
         e = tl.load(ids_ptr + p).to(tl.int64)
-        if INIT_OUT == 3:   # every pair's programs zero its own row (another EP rank's pair included)
-            _init_out_share(out_ptr, sh_ptr, p.to(tl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
-                            n_tiles * SPLIT, False)
-        elif INIT_OUT > 0:
-            if p % TOPK == 0:
-                _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(tl.int64), D_OUT, stride_o, stride_sh,
-                                pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
+        if INIT_OUT > 0:
+            _init_out_pair(out_ptr, sh_ptr, p, TOPK, D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
+                           n_tiles * SPLIT, INIT_OUT, _init_out_share)
         if e < E:
             _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n, pid_k,
                       n_tiles, N, N_VALID, K, TOPK, limit, SPLIT, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN, ACC16, QB,
@@ -720,10 +713,30 @@ def _w13_pair(xp_ptr, xs_ptr, w13_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr
 
 
 @triton.jit
+def _init_out_listed(out_ptr, sh_ptr, T, TOPK, D, stride_o, stride_sh, i, n, MODE: tl.constexpr,
+                     SHARE: tl.constexpr):
+    """A decode w13's output start on an EP rank's pair-list grid (INIT_OUT = MODE, 1-3): program i of n writes its
+    share of all T rows of out, or (3) of all T·k pair rows. (Scalar-only, so the Gluon w13 calls it with its SHARE.)"""
+    if MODE == 3:
+        _init_out_rows(out_ptr, sh_ptr, T * TOPK, D, stride_o, stride_sh, i, n, False, SHARE)
+    else:
+        _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, MODE == 2, SHARE)
+
+
+@triton.jit
+def _init_out_pair(out_ptr, sh_ptr, p, TOPK, D, stride_o, stride_sh, i, n, MODE: tl.constexpr, SHARE: tl.constexpr):
+    """A decode w13's output start on the full grid (INIT_OUT = MODE, 1-3), share i of n by pair p's programs: the
+    row of p's token if p is its first pair, or (3) p's own row, another EP rank's pair included."""
+    if MODE == 3:
+        SHARE(out_ptr, sh_ptr, p.to(tl.int64), D, stride_o, stride_sh, i, n, False)
+    elif p % TOPK == 0:
+        SHARE(out_ptr, sh_ptr, (p // TOPK).to(tl.int64), D, stride_o, stride_sh, i, n, MODE == 2)
+
+
+@triton.jit
 def _init_out_rows(out_ptr, sh_ptr, T, D, stride_o, stride_sh, i, n, COPY: tl.constexpr, SHARE: tl.constexpr):
     """Program i of n writes its share of all T rows of out (SHARE: `_init_out_share`, or the Gluon kernels' own,
-    which has layouts): n // T programs per row, or whole rows i, i + n, ... when there are fewer programs than rows.
-    (Scalar-only, so the Gluon w13 calls it with its SHARE.)"""
+    which has layouts): n // T programs per row, or whole rows i, i + n, ... when there are fewer programs than rows."""
     if n >= T:
         per_row = n // T
         t = i // per_row

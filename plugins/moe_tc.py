@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsflash.plugins.fp8_gemm_gluon import _grid_dependency_wait
-from dsflash.plugins.moe import (_gemv_pids, _init_out_rows, _listed_pair, _pair_grid, _pair_perm16, LocalPairs,
-                                 out_init)
+from dsflash.plugins.moe import (_gemv_pids, _init_out_listed, _init_out_pair, _listed_pair, _pair_grid,
+                                 _pair_perm16, LocalPairs, out_init)
 from dsflash.plugins.moe_config import MoeConfig
 from dsflash.plugins.splitk import split_counter, splitk_arrive, splitk_total
 from dsflash.plugins.tl_helpers import e8m0_to_f32, exp2i, scale_exp, split4
@@ -324,12 +324,9 @@ def _moe_w13_tc_kernel(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr,
     w_bufs, ready = _weight_ring(w_desc, 32, 2, DEPTH)
     if COMPACT:
         if INIT_OUT > 0:
-            out_rows = T
-            if INIT_OUT == 3:
-                out_rows = T * TOPK
-            _init_out_rows(out_ptr, sh_ptr, out_rows, D_OUT, stride_o, stride_sh,
-                           (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT == 2,
-                           _init_out_share)
+            _init_out_listed(out_ptr, sh_ptr, T, TOPK, D_OUT, stride_o, stride_sh,
+                             (pid0 * n_tiles + pid_n) * SPLIT + pid_k, n_rows * n_tiles * SPLIT, INIT_OUT,
+                             _init_out_share)
         count = gl.load(count_ptr)
         for i in gl.static_range(PASSES):
             s = pid0 + i * n_rows
@@ -341,13 +338,9 @@ def _moe_w13_tc_kernel(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, ids_ptr,
     else:
         p = pid0
         e = gl.load(ids_ptr + p).to(gl.int64)
-        if INIT_OUT == 3:   # every pair's programs zero its own row (`moe._moe_w13_gemv_kernel`)
-            _init_out_share(out_ptr, sh_ptr, p.to(gl.int64), D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
-                            n_tiles * SPLIT, False)
-        elif INIT_OUT > 0:
-            if p % TOPK == 0:
-                _init_out_share(out_ptr, sh_ptr, (p // TOPK).to(gl.int64), D_OUT, stride_o, stride_sh,
-                                pid_n * SPLIT + pid_k, n_tiles * SPLIT, INIT_OUT == 2)
+        if INIT_OUT > 0:
+            _init_out_pair(out_ptr, sh_ptr, p, TOPK, D_OUT, stride_o, stride_sh, pid_n * SPLIT + pid_k,
+                           n_tiles * SPLIT, INIT_OUT, _init_out_share)
         if e < E:
             _w13_tc_pair(w_desc, xp_ptr, xs_ptr, s13_ptr, hp_ptr, hs_ptr, topw_ptr, ws_ptr, cnt_ptr, p, e, pid_n,
                          pid_k, n_tiles, N, N_VALID, K, KB, TOPK, limit, 0, SPLIT, DEPTH, MAX_CH, x_s, w_bufs, ready)
