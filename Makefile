@@ -16,6 +16,8 @@ SHARD ?=
 DATASET ?=
 BENCH ?= throughput
 ARGS ?=
+# `make test` workers: auto = one per core, at most 4 (each holds its own torch and tiny models); 0 = in-process.
+TEST_WORKERS ?= auto
 
 .DEFAULT_GOAL := test
 .PHONY: demo test test-gpu convert build serve generate bench bench-kernels gpu-pydeps clean
@@ -32,7 +34,7 @@ demo: $(VENV)/.stamp
 
 # The CPU suite, plus the small kernel cases (`interpret`) run on CPU tensors through Triton's interpreter.
 test: $(VENV)/.stamp
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests -m "not gpu or interpret" $(ARGS)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests -m "not gpu or interpret" -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile $(ARGS)
 
 test-gpu: $(VENV)/.stamp
 	$(VENV)/bin/pytest -q tests -m gpu $(if $(SHARD),--shard $(SHARD)) $(ARGS)
