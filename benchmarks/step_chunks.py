@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -264,6 +265,13 @@ class _Without:
             m.fused_kv_quant = True
 
 
+def _write_json(path: str, meta: dict, rows: list[dict]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True)
@@ -303,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     load_peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     print(f"loaded in {load_s:.1f} s" + (f", peak {load_peak_gib:.1f} GiB allocated" if load_peak_gib else ""),
           flush=True)
+    meta = {"engine": a.engine, "simulate_rank": a.simulate_rank, "context": a.context, "steps": a.steps,
+            "device": str(model.head.weight.device), "torch": torch.__version__,
+            "load_s": round(load_s, 1), "load_peak_gib": load_peak_gib and round(load_peak_gib, 2)}
     rows = []
     for n in (int(v) for v in a.requests.split(",")):
         fused = time_steps(model, n, a.context, a.steps, fused=True)
@@ -328,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1] |= kernel_time(model, n, a.context, min(a.steps, 5))
         if a.host_profile:
             rows[-1] |= host_profile(model, n, a.context, min(a.steps, 5))
+        if a.json:   # after every row: a run cut off by its time limit keeps the rows it finished
+            _write_json(a.json, meta, rows)
         print({k: v for k, v in rows[-1].items() if not k.startswith(("top_", "slot_graph_kernels"))}, flush=True)
         for name, us in list(rows[-1].get("top_kernels_us", {}).items())[:10]:
             print(f"  kernel: {us} µs {name[:100]}", flush=True)
@@ -350,12 +363,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('fused_ms_without_host_fixes', '-')} | "
               f"{r.get('per_request_ms', '-')} | {r.get('speedup', '-')} | {r.get('kernel_ms', '-')} | "
               f"{r.get('kernels', '-')} |")
-    if a.json:
-        meta = {"engine": a.engine, "simulate_rank": a.simulate_rank, "context": a.context, "steps": a.steps,
-                "device": str(model.head.weight.device), "torch": torch.__version__,
-                "load_s": round(load_s, 1), "load_peak_gib": load_peak_gib and round(load_peak_gib, 2)}
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 

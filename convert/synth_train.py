@@ -86,7 +86,7 @@ def train_values(args: ModelArgs, seed: int, steps: int, task: PermutationTask =
         for entry in table:
             tensors[entry.name].copy_(synth_value(entry, args, seed).to(tensors[entry.name].dtype))
     trained = [p for p in model.parameters() if p.requires_grad and p.dtype.is_floating_point]
-    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0, fused=True)   # one pass per tensor: ~5x the for-loop
     bar = tqdm(range(steps), desc="train", unit="step", disable=not progress)
     for i in bar:
         ids = task.prompts(batch, seq_len, seed * 1_000_003 + i).to(device)   # ids: [b, s]
