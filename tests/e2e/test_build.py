@@ -183,22 +183,22 @@ def test_disk_full_during_build_leaves_nothing(hf_v41, tmp_path, monkeypatch):
 
 
 @pytest.mark.mpi
-def test_tp2_generation_matches_tp1_and_reference(hf_v41, tmp_path):
-    """float64 engines: the TP all-reduce sums in another order than the unsharded GEMM; in fp32 such last-bit
-    differences can cross an FP8/FP4 rounding boundary of deploy numerics and flip tokens on longer sequences."""
+def test_tp4_ep2_generation_matches_tp1_and_reference(hf_v41, tmp_path):
+    """`dsflash generate` on float64 engines: the TP all-reduce sums in another order than the unsharded GEMM; in fp32
+    such last-bit differences can cross an FP8/FP4 rounding boundary of deploy numerics and flip tokens on longer
+    sequences. TP2 and EP2 against TP1 are test_runtime's (`test_tp2_ep2_match_tp1_and_a_dead_worker_stops_the_job`);
+    here the CLI runs the mixed topology, 4 ranks with the experts split in two groups."""
     ids = [0, 671, 6102, 294, 8760, 344] + list(range(1000, 1034))  # 40-token prompt
     ref = load_reference(hf_v41, numerics="deploy", dtype=torch.float64)
     ref = ref.generate_greedy(torch.tensor([ids]), 6)[0, len(ids):].tolist()
     outs = {}
-    topologies = {"tp1": [], "tp2": ["--tp", "2"], "ep2": ["--tp", "2", "--moe-ep", "2"],
-                  "tp4_ep2": ["--tp", "4", "--moe-ep", "2"]}
+    topologies = {"tp1": [], "tp4_ep2": ["--tp", "4", "--moe-ep", "2"]}
     for tag, extra in topologies.items():
         dsflash("build", "--ckpt", str(hf_v41), "--out", str(tmp_path / tag), "--dtype", "float64", *extra)
         r = dsflash("generate", "--engine", str(tmp_path / tag), "--input-ids", ",".join(map(str, ids)),
                     "--max-new-tokens", "6", "--json")
         outs[tag] = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
-    assert outs["tp1"] == ref
-    assert outs["tp2"] == ref and outs["ep2"] == ref and outs["tp4_ep2"] == ref
+    assert outs["tp1"] == ref and outs["tp4_ep2"] == ref
 
 
 def test_hopper_engine_pads_experts_after_sharding(tmp_path):
