@@ -93,15 +93,47 @@ _LIBDEVICE = {"rint": np.rint, "exp": np.exp, "log1p": np.log1p, "fast_dividef":
 _GDC = ("gdc_wait", "gdc_launch_dependents")
 
 
+class _Patched:
+    """The lang modules the running kernel launch has patched (None between launches)."""
+    langs: frozenset | None = None
+
+
+class _NothingToRestore:
+    def restore(self) -> None:
+        pass
+
+
+def _lang_modules(fn) -> frozenset:
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+
 def _patch_lang(fn, _orig=_interp._patch_lang):
     """The interpreter's own patching of a kernel's globals, plus the PDL builtins as no-ops in every dsflash
-    module that imported them (the kernel's helpers may live in another module)."""
+    module that imported them (the kernel's helpers may live in another module).
+
+    The interpreter also calls this on every call of a @triton.jit helper inside a kernel, where it would patch the
+    same modules again (their members are patched in place, so it changes nothing) and drop the scope: ~3 ms a
+    call, most of an interpreted GEMV's time. Inside a launch that has patched the helper's modules it returns at
+    once; the launch's own scope still restores everything when the launch ends."""
+    langs = _lang_modules(fn)
+    if _Patched.langs is not None and langs <= _Patched.langs:
+        return _NothingToRestore()
     scope = _orig(fn)
     for name, module in list(sys.modules.items()):
         if name.startswith("dsflash.") and module is not None:
             for g in _GDC:
                 if getattr(module, g, None) is getattr(tl_cuda, g):
                     scope.set_attr(module, g, lambda *args, **kwargs: None)
+    if _Patched.langs is not None:        # a helper seeing another lang module: patched as the interpreter does
+        _Patched.langs |= langs
+        return scope
+    _Patched.langs = langs                # a launch: its scope is restored in the interpreter's `finally`
+    restore = scope.restore
+
+    def restore_and_close() -> None:
+        _Patched.langs = None
+        restore()
+    scope.restore = restore_and_close
     return scope
 
 
