@@ -12,7 +12,8 @@
 - programmatic dependent launch: `gdc_wait` / `gdc_launch_dependents` are builtins the interpreter does not patch
   (calling one raises); with one program at a time they have nothing to order, and run as no-ops.
 
-Without these, a correct kernel fails its parity test under the interpreter and a rounding bug could hide. Applied
+Without these, a correct kernel fails its parity test under the interpreter and a rounding bug could hide. One cost
+is cut too: the interpreter re-patches triton.language on every @triton.jit helper call (`_patch_lang`). Applied
 once, by tests/kernels/conftest.py, only when the interpreter is on."""
 from __future__ import annotations
 
