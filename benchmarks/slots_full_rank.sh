@@ -7,13 +7,15 @@
 # (default 585) caps the seconds it runs; TUNE_S (default 0) is the build's tuning budget; REQUESTS (default 1,64) the
 # request counts; AB=0 skips the plugins-off steps. All 40 layers need ~600 s and an H200 (the rank holds ~70 GiB). LAYERS=22
 # builds the same widths with 22 layers (half ratio-2, half ratio-1, as the full schedule), planned at 47.8 GiB; it
-# loads on an 80 GB H100 with a 53.7 GiB peak (session 43, after session 42's binder fix). dsflash installed
+# loads on an 80 GB H100 with a 53.7 GiB peak (session 43, after session 42's binder fix). OVERRIDE (JSON, with
+# LAYERS=40) goes to --json-model-override-args: Engram tables of a tenth of the rows (the same lookups per token)
+# plan the 40 layers at 44.0 instead of 65.3 GiB, for an 80 GB card. dsflash installed
 # (`pip install -e .`). Writes its logs and slots_full.json under $OUT (default out/slots-full).
 set -u
 OUT=${OUT:-out/slots-full}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONSAFEPATH=1
 D=${WORK:-/tmp/slots-full}; mkdir -p "$D"
-OVERRIDE='{}'
+OVERRIDE=${OVERRIDE:-'{}'}
 if [ "${LAYERS:-40}" = 22 ]; then
     OVERRIDE='{"num_hidden_layers": 22, "compress_ratios": [0,0,2,2,2,2,2,2,2,2,2,2,1,1,1,1,1,1,1,1,1,1,0,0,0],
                "kv_source_layer_ids": [2,12], "index_source_layer_ids": [2,8,12,16,20],
