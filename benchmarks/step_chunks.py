@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
 from dsflash.build.engine import load_engine_model
+from dsflash.convert.atomic import write_text_atomic
 from dsflash.model_def.ragged import Chunk
 
 
@@ -265,13 +265,6 @@ class _Without:
             m.fused_kv_quant = True
 
 
-def _write_json(path: str, meta: dict, rows: list[dict]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True)
@@ -340,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.host_profile:
             rows[-1] |= host_profile(model, n, a.context, min(a.steps, 5))
         if a.json:   # after every row: a run cut off by its time limit keeps the rows it finished
-            _write_json(a.json, meta, rows)
+            write_text_atomic(a.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
         print({k: v for k, v in rows[-1].items() if not k.startswith(("top_", "slot_graph_kernels"))}, flush=True)
         for name, us in list(rows[-1].get("top_kernels_us", {}).items())[:10]:
             print(f"  kernel: {us} µs {name[:100]}", flush=True)

@@ -99,11 +99,6 @@ class _Patched:
     langs: frozenset | None = None
 
 
-class _NothingToRestore:
-    def restore(self) -> None:
-        pass
-
-
 def _lang_modules(fn) -> frozenset:
     return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
 
@@ -117,17 +112,17 @@ def _patch_lang(fn, _orig=_interp._patch_lang):
     call, most of an interpreted GEMV's time. Inside a launch that has patched the helper's modules it returns at
     once; the launch's own scope still restores everything when the launch ends."""
     langs = _lang_modules(fn)
-    if _Patched.langs is not None and langs <= _Patched.langs:
-        return _NothingToRestore()
+    if _Patched.langs is not None:        # a helper call inside a launch, whose scope the interpreter drops
+        if langs <= _Patched.langs:
+            return _interp._LangPatchScope()
+        _Patched.langs |= langs           # a helper seeing another lang module: patched as the interpreter does
+        return _orig(fn)
     scope = _orig(fn)
     for name, module in list(sys.modules.items()):
         if name.startswith("dsflash.") and module is not None:
             for g in _GDC:
                 if getattr(module, g, None) is getattr(tl_cuda, g):
                     scope.set_attr(module, g, lambda *args, **kwargs: None)
-    if _Patched.langs is not None:        # a helper seeing another lang module: patched as the interpreter does
-        _Patched.langs |= langs
-        return scope
     _Patched.langs = langs                # a launch: its scope is restored in the interpreter's `finally`
     restore = scope.restore
 
